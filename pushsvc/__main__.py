@@ -1,0 +1,3 @@
+from pushsvc.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""``pushsvc`` command line: serve, status, demo.
+
+This is the edge where configuration is built (file, env, flags); everything below
+receives a ``Config``. Invalid configuration exits with status 2 and names the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import urllib.error
+import urllib.request
+from typing import Sequence
+
+from pushsvc.config import Config, load_config, to_dict
+from pushsvc.errors import ConfigError
+
+EXIT_CONFIG = 2
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the transfer daemon")
+    p.add_argument("--config", help="TOML configuration file")
+    p.add_argument("--socket", dest="socket_path", help="worker Unix socket path")
+    p.add_argument("--runtime-dir", dest="runtime_dir")
+    p.add_argument("--engine-id", dest="engine_id")
+    p.add_argument("--health-host", dest="health_host")
+    p.add_argument("--health-port", dest="health_port", type=int, help="0 picks a free port")
+    p.add_argument("--side-channel-host", dest="side_channel_host")
+    p.add_argument("--side-channel-port", dest="side_channel_port", type=int, help="0 picks a free port")
+    p.add_argument("--advertised-host", dest="advertised_host")
+    p.add_argument("--lease-s", dest="lease_s", type=float)
+    p.add_argument("--watchdog-s", dest="watchdog_s", type=float)
+    p.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
+    p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--verify", dest="verify", action="store_true", default=None)
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--ready-file", help="write /v1/info JSON here once the daemon is ready")
+
+
+_OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_port", "side_channel_host",
+              "side_channel_port", "advertised_host", "lease_s", "watchdog_s", "log_format", "log_level", "verify")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pushsvc", description="Push-mode KV-cache transfer daemon for vLLM")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    st = sub.add_parser("status", help="print a daemon's /v1/info, /readyz and table sizes")
+    st.add_argument("--url", default="http://127.0.0.1:8471", help="daemon health endpoint")
+    st.add_argument("--json", action="store_true")
+    demo = sub.add_parser("demo", help="local two-daemon push demo on loopback")
+    demo.add_argument("--requests", type=int, default=16)
+    demo.add_argument("--blocks", type=int, default=64, help="logical blocks per request")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "status":
+        return _status(args)
+    if args.command == "demo":
+        from pushsvc.demo import run_demo
+
+        return run_demo(requests=args.requests, blocks=args.blocks)
+    return EXIT_CONFIG
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, overrides={k: getattr(args, k) for k in _OVERRIDES})
+    except ConfigError as exc:
+        print(f"pushsvc: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.print_config:
+        print(json.dumps(to_dict(config), indent=2))
+        return 0
+    from pushsvc.logging import configure_logging
+
+    configure_logging(config.log_format, config.log_level)
+    return asyncio.run(_run_daemon(config, args.ready_file), loop_factory=_loop_factory())
+
+
+def _loop_factory():
+    import uvloop
+
+    return uvloop.new_event_loop
+
+
+async def _run_daemon(config: Config, ready_file: str | None) -> int:
+    from pushsvc.server.daemon import Daemon
+
+    daemon = Daemon(config)
+    daemon._install_signal_handlers()
+    try:
+        await daemon.startup()
+        if ready_file:
+            _write_atomic(ready_file, json.dumps(daemon.info()))
+        await daemon.main_loop()
+    except OSError as exc:
+        print(f"pushsvc: cannot start: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await daemon.shutdown()
+    return 0
+
+
+def _write_atomic(path: str, text: str) -> None:
+    import os
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _status(args: argparse.Namespace) -> int:
+    base = args.url.rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{base}/v1/info", timeout=5) as r:
+            info = json.load(r)
+        try:
+            with urllib.request.urlopen(f"{base}/readyz", timeout=5) as r:
+                ready = json.load(r)
+        except urllib.error.HTTPError as exc:
+            ready = json.load(exc)
+    except (OSError, ValueError) as exc:
+        print(f"pushsvc: cannot reach daemon at {base}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"info": info, "ready": ready}, indent=2))
+        return 0 if ready.get("ready") else 3
+    print(f"engine     {info['engine_id']}  (daemon {info['daemon_id'][:8]}, up {info['uptime_s']:.0f}s)")
+    print(f"ready      {ready.get('ready')}")
+    print(f"socket     {info['socket_path']}")
+    print(f"side chan  {info['side_channel_host']}:{info['side_channel_port']}")
+    for a in info["agents"]:
+        print(f"agent      rank {a['rank']}/{a['tp_size']} {a['role']:<8} {a['agent']} "
+              f"registered={a['registered']} worker={a['worker_connected']}")
+    for p in info["peers"]:
+        print(f"peer       {p['engine_id']} at {p['host']}:{p['port']} ({len(p['agents'])} agents)")
+    print("tables     " + "  ".join(f"{k}={v}" for k, v in info["tables"].items()))
+    return 0 if ready.get("ready") else 3

@@ -1,0 +1,179 @@
+"""The worker-side client of the daemon: no thread, no NIXL, no blocking after setup.
+
+``connect`` and ``register_kv`` block (bounded by a timeout): they run once, when the
+worker starts. After that ``send`` only appends to a buffer and writes what the socket
+takes now, and ``poll`` drains whatever events arrived: with none pending it is one
+failed non-blocking ``recv`` (a few microseconds), which is why the vLLM connector can
+call it every engine step.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from typing import Sequence
+
+import msgspec
+
+from pushsvc.errors import DaemonUnavailable, ProtocolError
+from pushsvc.protocol import worker as wp
+from pushsvc.protocol.framing import PREAMBLE, FrameBuffer, check_preamble, encode_preamble, frame
+
+_RECV_BYTES = 1 << 16
+
+
+class DaemonClient:
+    def __init__(self, socket_path: str, *, engine_id: str, rank: int, tp_size: int, role: wp.Role,
+                 timeout_s: float = 10.0, max_frame: int = 16 << 20) -> None:
+        self.socket_path = socket_path
+        self.hello = wp.Hello(engine_id=engine_id, rank=rank, tp_size=tp_size, role=role, pid=os.getpid())
+        self.timeout_s = timeout_s
+        self.welcome: wp.Welcome | None = None
+        self._max_frame = max_frame
+        self._sock: socket.socket | None = None
+        self._frames = FrameBuffer(max_frame)
+        self._out = bytearray()
+        self._backlog: list[wp.DaemonMessage] = []
+
+    # ------------------------------------------------------------------ setup (blocking)
+
+    def connect(self) -> wp.Welcome:
+        self.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+            sock.sendall(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR) + frame(wp.encode(self.hello)))
+            check_preamble(_recv_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
+        except (OSError, ProtocolError) as exc:
+            sock.close()
+            raise DaemonUnavailable(f"cannot connect to daemon at {self.socket_path}: {exc}") from None
+        sock.setblocking(False)
+        self._sock = sock
+        self._frames = FrameBuffer(self._max_frame)
+        self._out.clear()
+        welcome = self._wait_for(wp.Welcome)
+        self.welcome = welcome
+        return welcome
+
+    def register_kv(self, fds: Sequence[int], regions: list[wp.Region], blocks_per_logical: int = 1) -> wp.KVRegistered:
+        msg = wp.RegisterKV(memory=wp.MemfdBuffers(count=len(fds)), regions=regions,
+                            blocks_per_logical=blocks_per_logical)
+        data = frame(wp.encode(msg))
+        sock = self._require()
+        self._flush_blocking()
+        sock.setblocking(True)
+        try:
+            sent = socket.send_fds(sock, [data], list(fds))
+            if sent < len(data):
+                sock.sendall(data[sent:])
+        except OSError as exc:
+            self._lost(exc)
+        finally:
+            if self._sock is not None:
+                sock.setblocking(False)
+        return self._wait_for(wp.KVRegistered)
+
+    # ------------------------------------------------------------------ steady state
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def send(self, msg: msgspec.Struct) -> None:
+        """Queue ``msg``; write what the socket accepts now. Never blocks."""
+        self._out += frame(wp.encode(msg))
+        self._flush()
+
+    def poll(self) -> list[wp.DaemonMessage]:
+        """Every event that arrived since the last call (an empty list if none)."""
+        sock = self._require()
+        if self._out:
+            self._flush()
+        events = self._backlog
+        if events:
+            self._backlog = []
+        while True:
+            try:
+                data = sock.recv(_RECV_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return events
+            except OSError as exc:
+                self._lost(exc)
+            if not data:
+                self._lost(None)
+            try:
+                for payload in self._frames.feed(data):
+                    events.append(wp.daemon_decoder.decode(payload))
+            except (ProtocolError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._lost(exc)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _require(self) -> socket.socket:
+        if self._sock is None:
+            raise DaemonUnavailable(f"not connected to daemon at {self.socket_path}")
+        return self._sock
+
+    def _lost(self, exc: BaseException | None):
+        self.close()
+        raise DaemonUnavailable(f"connection to daemon lost{': ' + str(exc) if exc else ''}")
+
+    def _flush(self) -> None:
+        sock = self._require()
+        try:
+            while self._out:
+                n = sock.send(self._out)
+                del self._out[:n]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            self._lost(exc)
+
+    def _flush_blocking(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while self._out:
+            self._flush()
+            if self._out:
+                if time.monotonic() > deadline:
+                    self._lost(TimeoutError("daemon is not reading"))
+                select.select([], [self._require()], [], 0.05)
+
+    def _wait_for(self, kind: type) -> wp.DaemonMessage:
+        """Block until a ``kind`` message arrives; keep other events for ``poll``."""
+        deadline = time.monotonic() + self.timeout_s
+        held: list[wp.DaemonMessage] = []
+        try:
+            while True:
+                for event in self.poll():
+                    if isinstance(event, kind):
+                        return event
+                    if isinstance(event, wp.Error) and not event.request_id:
+                        raise ProtocolError(f"daemon refused: {event.code}: {event.message}")
+                    held.append(event)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._lost(TimeoutError(f"no {kind.__name__} from daemon within {self.timeout_s}s"))
+                select.select([self._require()], [], [], left)
+        finally:
+            self._backlog = held + self._backlog
+
+    def __repr__(self) -> str:
+        return f"<DaemonClient {self.socket_path} rank={self.hello.rank} connected={self.connected} out={len(self._out)}>"
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("daemon closed the connection")
+        buf += chunk
+    return buf

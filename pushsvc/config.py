@@ -1,0 +1,250 @@
+"""The daemon's one typed configuration object, built at the edge.
+
+Precedence, lowest first: field defaults < TOML file < ``PUSHSVC_*`` env vars < overrides
+(CLI flags). ``load_config`` merges the layers, converts once with msgspec (so every layer is
+type-checked the same way), fills the derived defaults and validates. Nothing below the CLI
+reads the environment: everything else receives a ``Config``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import tomllib
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from pushsvc.errors import ConfigError
+
+MiB = 1 << 20
+
+ENV_PREFIX = "PUSHSVC_"
+# Reserved, not a field: lets a container point at its file without a CLI flag.
+ENV_CONFIG_PATH = "PUSHSVC_CONFIG"
+
+LOG_FORMATS = frozenset({"auto", "json", "console"})
+LOG_LEVELS = frozenset({"debug", "info", "warning", "error"})
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+# sun_path is 108 bytes on Linux, including the NUL; a longer path fails only at bind()
+# with an opaque OSError, so it is caught here where the field can be named.
+_MAX_UNIX_PATH = 107
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Every knob of the daemon. Empty strings mean "derive in ``resolve()``"."""
+
+    # Worker-facing unix socket.
+    runtime_dir: str = ""
+    socket_path: str = ""
+    socket_group: str = ""
+    allowed_uids: list[int] = []
+    # HTTP health / metrics / info.
+    health_host: str = "127.0.0.1"
+    health_port: int = 8471
+    # Daemon-to-daemon side channel.
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 8472
+    advertised_host: str = ""
+    engine_id: str = ""
+    # NIXL.
+    nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
+    nixl_progress_thread: bool = False
+    # Leases, watchdogs and liveness.
+    lease_s: float = 120.0
+    watchdog_s: float = 120.0
+    registration_ttl_s: float = 120.0
+    handshake_timeout_s: float = 5.0
+    heartbeat_interval_s: float = 1.0
+    peer_timeout_s: float = 5.0
+    # Caps on untrusted input.
+    max_worker_frame: int = 16 * MiB
+    max_peer_frame: int = 64 * MiB
+    max_notif_bytes: int = 4 * MiB
+    max_worker_connections: int = 256
+    # Transfer-status polling: fast while WRITEs are in flight, slow when idle.
+    poll_busy_interval_s: float = 0.001
+    poll_idle_interval_s: float = 0.05
+    drain_timeout_s: float = 10.0
+    # Logging and debugging.
+    log_format: str = "auto"
+    log_level: str = "info"
+    verify: bool = False
+
+    def resolve(self, env: Mapping[str, str] | None = None) -> Config:
+        """Return a copy with derived defaults filled in; a resolved config is a fixed point."""
+        env = os.environ if env is None else env
+        hostname = socket.gethostname()
+        runtime_dir = self.runtime_dir
+        if not runtime_dir:
+            xdg = env.get("XDG_RUNTIME_DIR", "")
+            runtime_dir = os.path.join(xdg, "pushsvc") if xdg else f"/tmp/pushsvc-{os.getuid()}"
+        advertised_host = self.advertised_host
+        if not advertised_host:
+            # A wildcard bind address is not something a peer can connect to.
+            wildcard = self.side_channel_host in _WILDCARD_HOSTS
+            advertised_host = hostname if wildcard else self.side_channel_host
+        return msgspec.structs.replace(
+            self,
+            runtime_dir=runtime_dir,
+            socket_path=self.socket_path or os.path.join(runtime_dir, "pushsvc.sock"),
+            advertised_host=advertised_host,
+            engine_id=self.engine_id or f"{hostname}-{uuid.uuid4().hex[:8]}",
+        )
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid field. Call on a resolved config."""
+        for name in ("health_port", "side_channel_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ConfigError(name, f"port must be in 0..65535, got {port}")
+        for name in _DURATION_FIELDS:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(name, f"must be a positive number of seconds, got {value}")
+        for name in _SIZE_FIELDS:
+            value = getattr(self, name)
+            if value <= 0:
+                raise ConfigError(name, f"must be positive, got {value}")
+        if self.heartbeat_interval_s >= self.peer_timeout_s:
+            # Otherwise a healthy peer would be declared dead between two heartbeats.
+            raise ConfigError(
+                "heartbeat_interval_s",
+                f"must be less than peer_timeout_s ({self.peer_timeout_s}), "
+                f"got {self.heartbeat_interval_s}",
+            )
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError("log_format", f"must be one of {sorted(LOG_FORMATS)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError("log_level", f"must be one of {sorted(LOG_LEVELS)}")
+        if not self.nixl_backends or not all(self.nixl_backends):
+            raise ConfigError("nixl_backends", "must name at least one backend, none empty")
+        if any(uid < 0 for uid in self.allowed_uids):
+            raise ConfigError("allowed_uids", "uids must be non-negative")
+        if self.socket_group.startswith("-"):
+            raise ConfigError("socket_group", "must be a group name or a non-negative gid")
+        if not os.path.isabs(self.socket_path):
+            raise ConfigError("socket_path", f"must be absolute, got {self.socket_path!r}")
+        if len(os.fsencode(self.socket_path)) > _MAX_UNIX_PATH:
+            raise ConfigError("socket_path", f"longer than {_MAX_UNIX_PATH} bytes")
+        for name in ("engine_id", "advertised_host"):
+            if not getattr(self, name):
+                raise ConfigError(name, "must not be empty")
+
+
+_DURATION_FIELDS = tuple(
+    f.name for f in msgspec.structs.fields(Config) if f.name.endswith("_s")
+)
+_SIZE_FIELDS = ("max_worker_frame", "max_peer_frame", "max_notif_bytes", "max_worker_connections")
+_FIELD_TYPES: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(Config)}
+
+
+def load_config(
+    path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Config:
+    """Build, resolve and validate the config from file, env and overrides (see module doc)."""
+    env = os.environ if env is None else env
+    if path is None:
+        path = env.get(ENV_CONFIG_PATH) or None
+    merged: dict[str, object] = {}
+    if path is not None:
+        merged.update(_read_toml(path))
+    merged.update(_from_env(env))
+    for key, value in (overrides or {}).items():
+        _check_known(key, "override")
+        if value is not None:
+            merged[key] = value
+    try:
+        cfg = msgspec.convert(merged, Config)
+    except msgspec.ValidationError as exc:
+        raise _translate(exc) from None
+    cfg = cfg.resolve(env)
+    cfg.validate()
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain builtins, for ``/v1/info`` and ``--print-config``."""
+    return msgspec.to_builtins(cfg)
+
+
+def _check_known(key: str, source: str) -> None:
+    if key not in _FIELD_TYPES:
+        raise ConfigError(key, f"unknown {source} key")
+
+
+def _read_toml(path: str) -> dict[str, object]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"invalid TOML in {path}: {exc}") from None
+    table = data.get("pushsvc")
+    if isinstance(table, dict):
+        # A [pushsvc] table means the file is shared: other tables belong to other tools,
+        # but a bare top-level key looks like ours and must not be silently ignored.
+        for key, value in data.items():
+            if key != "pushsvc" and not isinstance(value, dict):
+                raise ConfigError(key, f"key outside the [pushsvc] table in {path}")
+        data = table
+    for key in data:
+        _check_known(key, f"config file ({path})")
+    return data
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for var, raw in env.items():
+        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_PATH:
+            continue
+        name = var[len(ENV_PREFIX):].lower()
+        if name not in _FIELD_TYPES:
+            # Typos must not be silent; the error names the variable as it was spelled.
+            raise ConfigError(var, "unknown environment variable")
+        values[name] = _parse_env(name, _FIELD_TYPES[name], raw)
+    return values
+
+
+def _parse_env(name: str, typ: Any, raw: str) -> object:
+    try:
+        if typ is bool:
+            return _parse_bool(raw)
+        if typ is str:
+            return raw
+        if typ in (int, float):
+            return typ(raw.strip())
+        (item_type,) = typ.__args__  # list[int] / list[str]
+        return [item_type(item.strip()) for item in raw.split(",") if item.strip()]
+    except ValueError:
+        raise ConfigError(name, f"cannot parse {raw!r} from {ENV_PREFIX}{name.upper()}") from None
+
+
+def _parse_bool(raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError(raw)
+
+
+_PATH_FIELD = re.compile(r"at `\$\.(\w+)")
+_UNKNOWN_FIELD = re.compile(r"unknown field `(\w+)`")
+
+
+def _translate(exc: msgspec.ValidationError) -> ConfigError:
+    # msgspec reports the location only inside its message, e.g. "... - at `$.health_port`".
+    text = str(exc)
+    match = _PATH_FIELD.search(text) or _UNKNOWN_FIELD.search(text)
+    return ConfigError(match.group(1) if match else "config", text)

@@ -1,0 +1,63 @@
+"""The transfer-engine interface the daemon is written against.
+
+One ``Agent`` per registered worker rank. Every method is synchronous and cheap (it
+posts work or polls); the daemon's single event loop is the only caller, so
+implementations need no locking. Failures raise ``TransferError``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class XferState(Enum):
+    DONE = "DONE"
+    PROC = "PROC"
+    ERR = "ERR"
+
+
+class Agent(Protocol):
+    name: str
+
+    def register(self, buffers: list[tuple[int, int]], mem_type: str, device: int = 0) -> None:
+        """Register (address, length) buffers once, for every backend."""
+
+    def metadata(self) -> bytes:
+        """Serialized agent metadata, sent to peers in the side-channel hello."""
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer agent's metadata; returns its agent name."""
+
+    def remove_remote(self, name: str) -> None: ...
+
+    def prep_local(self, descs: np.ndarray, mem_type: str) -> Any:
+        """Prepare the local descriptor list (Nx3 address/length/device)."""
+
+    def prep_remote(self, remote: str, descs: np.ndarray, mem_type: str) -> Any: ...
+
+    def release_dlist(self, handle: Any) -> None: ...
+
+    def write(
+        self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes
+    ) -> tuple[Any, XferState]:
+        """Create and post a WRITE carrying ``notif``; returns the handle and its first state."""
+
+    def state(self, xfer: Any) -> XferState: ...
+
+    def release(self, xfer: Any) -> None: ...
+
+    def send_notif(self, remote: str, payload: bytes) -> None: ...
+
+    def notifs(self) -> dict[str, list[bytes]]:
+        """New notifications since the last call, by sender agent name."""
+
+    def close(self) -> None: ...
+
+
+class Engine(Protocol):
+    name: str
+
+    def create_agent(self, name: str) -> Agent: ...

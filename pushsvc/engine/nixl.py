@@ -1,0 +1,150 @@
+"""The real engine: one ``nixl_agent`` per worker rank, driven from the event loop.
+
+NIXL's progress thread is off by default (``progress_thread = false``): measured on a
+2-core host, an idle agent with the thread on burns a whole core, and with it off the
+daemon drives progress itself by calling ``state``/``notifs`` while work is in flight
+(see docs/architecture.md, "Progress without threads").
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from pushsvc.engine.base import XferState
+from pushsvc.errors import TransferError
+
+_STATES = {"DONE": XferState.DONE, "PROC": XferState.PROC, "ERR": XferState.ERR}
+
+
+def _import_nixl():
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    # NIXL configures its own logger at import and logs every agent and backend it
+    # creates at INFO; our own events already say that.
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    return nixl_agent, nixl_agent_config
+
+
+class NixlAgent:
+    __slots__ = ("name", "_agent", "_reg")
+
+    def __init__(self, name: str, backends: list[str], progress_thread: bool) -> None:
+        nixl_agent, nixl_agent_config = _import_nixl()
+        conf = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+        try:
+            self._agent = nixl_agent(name, conf)
+        except Exception as exc:
+            raise TransferError(f"cannot create NIXL agent {name}: {exc}") from exc
+        if not self._agent.backends:
+            raise TransferError(f"NIXL agent {name}: none of the backends {backends} is available")
+        self.name = name
+        self._reg: list[Any] = []
+
+    def register(self, buffers: list[tuple[int, int]], mem_type: str, device: int = 0) -> None:
+        descs = [(addr, length, device, "") for addr, length in buffers]
+        try:
+            self._reg.append(self._agent.register_memory(descs, mem_type))
+        except Exception as exc:
+            raise TransferError(f"memory registration failed: {exc}") from exc
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def add_remote(self, metadata: bytes) -> str:
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise TransferError(f"cannot load remote agent metadata: {exc}") from exc
+        return name.decode() if isinstance(name, bytes) else name
+
+    def remove_remote(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:
+            raise TransferError(f"cannot remove remote agent {name}: {exc}") from exc
+
+    def prep_local(self, descs: np.ndarray, mem_type: str) -> Any:
+        try:
+            return self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem_type)
+        except Exception as exc:
+            raise TransferError(f"cannot prepare local descriptors: {exc}") from exc
+
+    def prep_remote(self, remote: str, descs: np.ndarray, mem_type: str) -> Any:
+        try:
+            return self._agent.prep_xfer_dlist(remote, descs, mem_type)
+        except Exception as exc:
+            raise TransferError(f"cannot prepare descriptors of {remote}: {exc}") from exc
+
+    def release_dlist(self, handle: Any) -> None:
+        try:
+            self._agent.release_dlist_handle(handle)
+        except Exception as exc:
+            raise TransferError(f"cannot release descriptor list: {exc}") from exc
+
+    def write(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes):
+        try:
+            handle = self._agent.make_prepped_xfer("WRITE", local, local_idx, remote, remote_idx, notif)
+        except Exception as exc:
+            raise TransferError(f"cannot create WRITE: {exc}") from exc
+        try:
+            state = _STATES[self._agent.transfer(handle)]
+        except Exception as exc:
+            self._safe_release(handle)
+            raise TransferError(f"cannot post WRITE: {exc}") from exc
+        return handle, state
+
+    def state(self, xfer: Any) -> XferState:
+        try:
+            return _STATES[self._agent.check_xfer_state(xfer)]
+        except Exception:
+            return XferState.ERR
+
+    def release(self, xfer: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(xfer)
+        except Exception as exc:
+            raise TransferError(f"cannot release WRITE handle: {exc}") from exc
+
+    def send_notif(self, remote: str, payload: bytes) -> None:
+        try:
+            self._agent.send_notif(remote, payload)
+        except Exception as exc:
+            raise TransferError(f"cannot notify {remote}: {exc}") from exc
+
+    def notifs(self) -> dict[str, list[bytes]]:
+        try:
+            got = self._agent.get_new_notifs()
+        except Exception as exc:
+            raise TransferError(f"notification poll failed: {exc}") from exc
+        return {(k.decode() if isinstance(k, bytes) else k): v for k, v in got.items()} if got else {}
+
+    def close(self) -> None:
+        for reg in self._reg:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception:
+                pass
+        self._reg.clear()
+
+    def _safe_release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<NixlAgent {self.name} regs={len(self._reg)}>"
+
+
+class NixlEngine:
+    name = "nixl"
+
+    def __init__(self, backends: list[str], progress_thread: bool = False) -> None:
+        self.backends = list(backends)
+        self.progress_thread = progress_thread
+
+    def create_agent(self, name: str) -> NixlAgent:
+        return NixlAgent(name, self.backends, self.progress_thread)

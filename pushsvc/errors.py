@@ -1,0 +1,46 @@
+"""The package's own exceptions.
+
+Low-level errors (OSError, msgspec.DecodeError, NIXL's exceptions) are translated into
+these at the module boundary that sees them, so callers handle one family.
+"""
+
+
+class PushsvcError(Exception):
+    """Base class for every error pushsvc raises on purpose."""
+
+
+class ConfigError(PushsvcError):
+    """A configuration value is missing or invalid; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ProtocolError(PushsvcError):
+    """A peer sent bytes that do not form a valid message for the protocol in use."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A length prefix announced more bytes than the configured cap."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks an incompatible protocol version."""
+
+
+class HandshakeError(PushsvcError):
+    """A daemon-to-daemon handshake failed (unreachable, timed out, incompatible)."""
+
+
+class TransferError(PushsvcError):
+    """A NIXL operation (registration, prep, WRITE, notification) failed."""
+
+
+class LayoutError(PushsvcError):
+    """A KV layout or a block list does not fit the registered memory."""
+
+
+class DaemonUnavailable(PushsvcError):
+    """The worker client cannot reach its daemon (socket missing, refused or closed)."""

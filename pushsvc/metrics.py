@@ -1,0 +1,51 @@
+"""Prometheus metrics, named once here. One registry per daemon, so several daemons in
+one test process never collide."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.transfers = Counter(
+            "pushsvc_transfers", "KV pushes by outcome (done, failed)", ["result"], registry=r
+        )
+        self.transfer_bytes = Counter("pushsvc_transfer_bytes", "Bytes written by completed pushes", registry=r)
+        self.transfer_blocks = Counter("pushsvc_transfer_blocks", "Logical blocks written", registry=r)
+        self.transfer_seconds = Histogram(
+            "pushsvc_transfer_seconds", "WRITE post to completion", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.match_wait_seconds = Histogram(
+            "pushsvc_match_wait_seconds", "P blocks staged to WRITE posted", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.recv_seconds = Histogram(
+            "pushsvc_recv_seconds", "D registration to completion", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.handshake_seconds = Histogram(
+            "pushsvc_handshake_seconds", "Side-channel handshake duration", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.handshakes = Counter("pushsvc_handshakes", "Side-channel handshakes by result", ["result"], registry=r)
+        self.failures = Counter("pushsvc_failures", "Request failures by kind", ["kind"], registry=r)
+        self.leases_expired = Counter("pushsvc_leases_expired", "P leases reclaimed without a WRITE", registry=r)
+        self.watchdog_expired = Counter("pushsvc_watchdog_expired", "D registrations failed by the watchdog", registry=r)
+        self.malformed = Counter(
+            "pushsvc_malformed_inputs", "Rejected input by source and reason", ["source", "reason"], registry=r
+        )
+        self.duplicates = Counter("pushsvc_duplicates", "Idempotently ignored duplicates", ["kind"], registry=r)
+        self.rejected_connections = Counter(
+            "pushsvc_rejected_connections", "Connections refused", ["listener", "reason"], registry=r
+        )
+        self.table_entries = Gauge("pushsvc_table_entries", "Matching-table sizes", ["table"], registry=r)
+        self.worker_connections = Gauge("pushsvc_worker_connections", "Connected workers", registry=r)
+        self.peers = Gauge("pushsvc_peers", "Peer daemons with a live session", registry=r)
+        self.agents = Gauge("pushsvc_agents", "Local NIXL agents", registry=r)
+        self.inflight_writes = Gauge("pushsvc_inflight_writes", "WRITE handles not yet settled", registry=r)
+        self.worker_messages = Counter("pushsvc_worker_messages", "Worker messages by type", ["type"], registry=r)
+        self.notifications = Counter("pushsvc_notifications", "NIXL notifications by kind", ["kind"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

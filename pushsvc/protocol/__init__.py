@@ -1,0 +1,1 @@
+"""Wire protocols: framing, worker <-> daemon, daemon <-> daemon, NIXL notifications."""

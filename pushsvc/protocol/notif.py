@@ -1,0 +1,84 @@
+"""NIXL notification payloads exchanged between daemons' agents.
+
+Two formats, kept from the seed design so D-side accounting matches pull mode:
+
+* ``PUSH_REG:<msgpack map>``: D registers pre-allocated blocks with P (``PushReg``).
+* ``<request_id>:<tp_size>``: P's completion notification, attached to the WRITE so it
+  is delivered only after the data landed (``request_id`` is D's own id).
+
+Notifications come from whatever agent can reach ours, so both decoders treat the
+payload as hostile: size-capped, unknown fields rejected, every value bounded.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from pushsvc.errors import ProtocolError
+from pushsvc.protocol.worker import BlockIds, Name, Port
+
+PUSH_REG_PREFIX = b"PUSH_REG:"
+MAX_NOTIF_BYTES = 4 << 20
+
+_TP = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+
+
+class PushReg(msgspec.Struct, forbid_unknown_fields=True):
+    """The seed's PUSH_REG fields. New fields go at the end with defaults."""
+
+    request_id: Name
+    decode_engine_id: Name
+    decode_host: Name
+    decode_port: Port
+    decode_tp_size: _TP
+    local_block_ids: BlockIds
+    remote_engine_id: Name
+    remote_host: Name
+    remote_port: Port
+    remote_tp_size: _TP
+    # Extensions (absent from seed-format senders).
+    decode_rank: Annotated[int, msgspec.Meta(ge=0, le=1023)] = 0
+    decode_daemon_id: Name = ""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_push_reg_decoder = msgspec.msgpack.Decoder(PushReg)
+
+
+def encode_push_reg(reg: PushReg) -> bytes:
+    return PUSH_REG_PREFIX + _encoder.encode(reg)
+
+
+def is_push_reg(payload: bytes) -> bool:
+    return payload.startswith(PUSH_REG_PREFIX)
+
+
+def decode_push_reg(payload: bytes) -> PushReg:
+    if len(payload) > MAX_NOTIF_BYTES:
+        raise ProtocolError(f"PUSH_REG of {len(payload)} bytes exceeds {MAX_NOTIF_BYTES}")
+    if not payload.startswith(PUSH_REG_PREFIX):
+        raise ProtocolError("not a PUSH_REG notification")
+    try:
+        return _push_reg_decoder.decode(payload[len(PUSH_REG_PREFIX) :])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed PUSH_REG: {exc}") from None
+
+
+def encode_completion(request_id: str, tp_size: int) -> bytes:
+    return f"{request_id}:{tp_size}".encode()
+
+
+def decode_completion(payload: bytes) -> tuple[str, int]:
+    """Split ``<request_id>:<tp_size>``; the id itself may contain colons."""
+    if len(payload) > 1024:
+        raise ProtocolError("completion notification too long")
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("completion notification is not UTF-8") from None
+    request_id, sep, tp = text.rpartition(":")
+    if not sep or not request_id or not (tp.isascii() and tp.isdigit()) or not 1 <= int(tp) <= 1024:
+        raise ProtocolError(f"malformed completion notification {text[:80]!r}")
+    return request_id, int(tp)

@@ -1,0 +1,86 @@
+"""Daemon <-> daemon side-channel messages (TCP).
+
+A session opens with the preamble (``PSVP`` + version), then each side sends one
+``PeerHello`` describing its daemon and every local NIXL agent: agent metadata and the
+KV layout a remote needs to address blocks. Afterwards either side may send
+``AgentsUpdate`` (a worker registered KV later), ``PushFailed`` (P cannot WRITE a
+registration: D fails the request at once) and ``Heartbeat`` (liveness).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+
+from pushsvc.protocol.worker import U32, U64, Name, Text
+
+MAGIC = b"PSVP"
+MAJOR = 1
+MINOR = 0
+
+_opts = dict(forbid_unknown_fields=True, omit_defaults=True, tag_field="t")
+
+
+class RegionInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
+    """Where a remote region's blocks live in the remote process's address space."""
+
+    base: U64
+    block_len: Annotated[int, msgspec.Meta(ge=1, le=2**32 - 1)]
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+    block_stride: U64 = 0
+    group: Annotated[int, msgspec.Meta(ge=0, lt=64)] = 0
+    layer_names: Annotated[list[Name], msgspec.Meta(max_length=4096)] = []
+
+    @property
+    def stride(self) -> int:
+        return self.block_stride or self.block_len
+
+
+class AgentInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
+    rank: U32
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)]
+    agent_name: Name
+    metadata: Annotated[bytes, msgspec.Meta(max_length=32 << 20)]
+    regions: Annotated[list[RegionInfo], msgspec.Meta(max_length=16384)]
+    blocks_per_logical: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    mem_type: Annotated[str, msgspec.Meta(pattern="^(DRAM|VRAM)$")] = "DRAM"
+
+
+class PeerHello(msgspec.Struct, tag="hello", **_opts):
+    daemon_id: Name  # changes on every daemon start: a restart is a new incarnation
+    engine_id: Name
+    side_channel_host: Name
+    side_channel_port: Annotated[int, msgspec.Meta(ge=0, le=65535)]
+    agents: Annotated[list[AgentInfo], msgspec.Meta(max_length=1024)]
+    heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 1.0
+
+
+class AgentsUpdate(msgspec.Struct, tag="agents", **_opts):
+    agents: Annotated[list[AgentInfo], msgspec.Meta(max_length=1024)]
+
+
+class PushFailed(msgspec.Struct, tag="push_failed", **_opts):
+    """P could not WRITE D's registration ``request_id`` (D's own id) on ``rank``."""
+
+    request_id: Name
+    rank: U32
+    reason: Text
+
+
+class Heartbeat(msgspec.Struct, tag="hb", **_opts):
+    seq: U64 = 0
+
+
+class Goodbye(msgspec.Struct, tag="bye", **_opts):
+    reason: Text = ""
+
+
+PeerMessage = Union[PeerHello, AgentsUpdate, PushFailed, Heartbeat, Goodbye]
+
+_encoder = msgspec.msgpack.Encoder()
+peer_decoder = msgspec.msgpack.Decoder(PeerMessage)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)

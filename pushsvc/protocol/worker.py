@@ -1,0 +1,189 @@
+"""Worker <-> daemon messages, carried over the daemon's Unix socket.
+
+Every message is a ``msgspec.Struct`` in one tagged union per direction, decoded by a
+decoder built once. New fields go at the end with defaults (minor version bump);
+removing or retyping a field is a major bump. See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+
+# Bounds checked while decoding, before any handler sees the value.
+U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+BlockIds = Annotated[list[Annotated[list[U32], msgspec.Meta(max_length=1 << 20)]], msgspec.Meta(max_length=64)]
+
+MAGIC = b"PSVW"
+MAJOR = 1
+MINOR = 0
+
+Role = Literal["producer", "consumer", "both"]
+
+_opts = dict(forbid_unknown_fields=True, omit_defaults=True, tag_field="t")
+
+
+# ---------------------------------------------------------------- memory descriptions
+
+
+class Region(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
+    """One KV region: ``num_blocks`` blocks of ``block_len`` bytes, ``block_stride`` apart.
+
+    A region lives in buffer ``buffer`` of the registration, starting ``offset`` bytes
+    in. Layers whose K and V halves are separate tensors are two regions. ``group`` is
+    the KV-cache group whose block ids address this region.
+    """
+
+    buffer: U32
+    offset: U64
+    block_len: Annotated[int, msgspec.Meta(ge=1, le=2**32 - 1)]
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+    block_stride: U64 = 0  # 0 means block_len (dense)
+    group: Annotated[int, msgspec.Meta(ge=0, lt=64)] = 0
+    layer_names: Annotated[list[Name], msgspec.Meta(max_length=4096)] = []
+
+    @property
+    def stride(self) -> int:
+        return self.block_stride or self.block_len
+
+
+class MemfdBuffers(msgspec.Struct, tag="memfd", **_opts):
+    """CPU memory shared as memfds; the fds ride on this frame via SCM_RIGHTS.
+
+    Buffer ``i`` of the regions is the i-th fd, mapped whole by the daemon.
+    """
+
+    count: Annotated[int, msgspec.Meta(ge=1, le=64)]
+
+
+class DaemonArena(msgspec.Struct, tag="daemon_arena", **_opts):
+    """GPU memory owned by the daemon (cudaMalloc) and mapped by the worker.
+
+    The daemon allocates ``sizes`` bytes per buffer on ``device`` and answers with
+    ``ArenaGranted`` carrying CUDA IPC handles; the worker builds its KV tensors on them.
+    The daemon registers memory it owns, which is what keeps GPU WRITEs at NVLink speed.
+    """
+
+    device: U32
+    sizes: Annotated[list[U64], msgspec.Meta(min_length=1, max_length=64)]
+
+
+Memory = Union[MemfdBuffers, DaemonArena]
+
+
+# ---------------------------------------------------------------- worker -> daemon
+
+
+class Hello(msgspec.Struct, tag="hello", **_opts):
+    engine_id: Name
+    rank: U32
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)]
+    role: Role
+    pid: U32 = 0
+
+
+class RegisterKV(msgspec.Struct, tag="register_kv", **_opts):
+    memory: Memory
+    regions: Annotated[list[Region], msgspec.Meta(min_length=1, max_length=16384)]
+    blocks_per_logical: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1  # physical kernel blocks per scheduler block
+
+
+class RegisterRecv(msgspec.Struct, tag="register_recv", **_opts):
+    """D side: a request whose KV P must push into ``local_block_ids`` (logical ids)."""
+
+    request_id: Name
+    local_block_ids: BlockIds
+    remote_engine_id: Name
+    remote_host: Name
+    remote_port: Port
+    remote_tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+
+
+class SendReady(msgspec.Struct, tag="send_ready", **_opts):
+    """P side: prefill of ``request_id`` is done; its KV lives in ``block_ids``."""
+
+    request_id: Name
+    block_ids: BlockIds
+
+
+class Evict(msgspec.Struct, tag="evict", **_opts):
+    """Drop all daemon state of these requests (aborted, lease reaped by the scheduler)."""
+
+    request_ids: Annotated[list[Name], msgspec.Meta(max_length=65536)]
+
+
+class Ping(msgspec.Struct, tag="ping", **_opts):
+    token: U64 = 0
+
+
+WorkerMessage = Union[Hello, RegisterKV, RegisterRecv, SendReady, Evict, Ping]
+
+
+# ---------------------------------------------------------------- daemon -> worker
+
+
+class Welcome(msgspec.Struct, tag="welcome", **_opts):
+    daemon_id: str
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: int
+    max_frame: int
+
+
+class KVRegistered(msgspec.Struct, tag="kv_registered", **_opts):
+    agent_name: str
+    regions: int
+    bytes: int
+
+
+class ArenaGranted(msgspec.Struct, tag="arena_granted", **_opts):
+    ipc_handles: list[bytes]
+
+
+class RecvDone(msgspec.Struct, tag="recv_done", **_opts):
+    request_id: str
+
+
+class RecvFailed(msgspec.Struct, tag="recv_failed", **_opts):
+    request_id: str
+    block_ids: list[int]
+    reason: str
+
+
+class SendDone(msgspec.Struct, tag="send_done", **_opts):
+    request_id: str
+
+
+class SendFailed(msgspec.Struct, tag="send_failed", **_opts):
+    """P side: the daemon gave up on pushing ``request_id``; the worker frees the lease."""
+
+    request_id: str
+    reason: str
+
+
+class Pong(msgspec.Struct, tag="pong", **_opts):
+    token: int = 0
+
+
+class Error(msgspec.Struct, tag="error", **_opts):
+    code: str
+    message: str
+    request_id: str = ""
+
+
+DaemonMessage = Union[
+    Welcome, KVRegistered, ArenaGranted, RecvDone, RecvFailed, SendDone, SendFailed, Pong, Error
+]
+
+_encoder = msgspec.msgpack.Encoder()
+worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+daemon_decoder = msgspec.msgpack.Decoder(DaemonMessage)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)

@@ -1,0 +1,1 @@
+"""The daemon: lifecycle, listeners, the push service and its progress loop."""

@@ -1,0 +1,178 @@
+"""``Daemon`` owns the lifecycle: startup, main loop, bounded graceful shutdown.
+
+Start and stop are idempotent. Shutdown first stops accepting (worker socket,
+side channel), then waits up to ``drain_timeout_s`` for WRITEs in flight to settle and
+tables to empty, then cancels what is left and releases NIXL and shared memory.
+Signal handlers only set flags: SIGTERM/SIGINT ask for a drain, a second SIGINT forces
+the exit without draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import structlog
+
+from pushsvc import __version__
+from pushsvc.config import Config
+from pushsvc.engine.base import Engine
+from pushsvc.metrics import Metrics
+from pushsvc.server.health import HealthServer
+from pushsvc.server.progress import ProgressLoop
+from pushsvc.server.service import PushService
+from pushsvc.server.workers import WorkerServer
+
+log = structlog.get_logger("pushsvc.daemon")
+
+
+class Daemon:
+    def __init__(self, config: Config, engine: Engine | None = None) -> None:
+        self.config = config
+        if engine is None:
+            from pushsvc.engine.nixl import NixlEngine
+
+            engine = NixlEngine(config.nixl_backends, config.nixl_progress_thread)
+        self.engine = engine
+        self.daemon_id = uuid.uuid4().hex
+        self.metrics = Metrics()
+        self.service = PushService(config, engine, self.metrics, self.daemon_id)
+        self.progress = ProgressLoop(self.service.progress, config.poll_busy_interval_s, config.poll_idle_interval_s)
+        self.service.wake = self.progress.wake
+        self.workers = WorkerServer(
+            path=config.socket_path,
+            service=self.service,
+            metrics=self.metrics,
+            max_frame=config.max_worker_frame,
+            allowed_uids=config.allowed_uids,
+            group=config.socket_group,
+            max_connections=config.max_worker_connections,
+        )
+        self.health = HealthServer(self, config.health_host, config.health_port)
+        self.should_exit = False
+        self.force_exit = False
+        self.started = False
+        self.stopped = False
+        self._started_at = time.time()
+        self._progress_task: asyncio.Task | None = None
+        self._exit = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def startup(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        os.makedirs(self.config.runtime_dir, mode=0o700, exist_ok=True)
+        os.chmod(self.config.runtime_dir, 0o700)
+        self.workers.start()
+        await self.service.peers.start(self.config.side_channel_host, self.config.side_channel_port)
+        await self.health.start()
+        self._progress_task = asyncio.get_running_loop().create_task(self.progress.run(), name="pushsvc-progress")
+        log.info("daemon_started", engine_id=self.config.engine_id, daemon_id=self.daemon_id[:8],
+                 socket=self.config.socket_path, side_channel=f"{self.config.advertised_host}:{self.service.peers.port}",
+                 health=f"{self.config.health_host}:{self.health.port}", version=__version__)
+
+    async def main_loop(self) -> None:
+        await self._exit.wait()
+
+    def request_exit(self, force: bool = False) -> None:
+        if force:
+            self.force_exit = True
+        self.should_exit = True
+        self._exit.set()
+
+    async def shutdown(self) -> None:
+        if self.stopped or not self.started:
+            return
+        self.stopped = True
+        log.info("daemon_stopping", force=self.force_exit)
+        self.workers.stop_listening()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s
+        while not self.force_exit and loop.time() < deadline and not self._drained():
+            await asyncio.sleep(0.01)
+        if not self._drained():
+            log.warning("drain_incomplete", tables=self.service.table_sizes())
+        self.workers.close()
+        if self._progress_task is not None:
+            self._progress_task.cancel()
+            await asyncio.gather(self._progress_task, return_exceptions=True)
+        await self.health.close()
+        await self.service.close()
+        log.info("daemon_stopped")
+
+    def _drained(self) -> bool:
+        return not any(r.inflight for r in self.service.ranks.values())
+
+    async def serve(self, install_signals: bool = True) -> None:
+        if install_signals:
+            self._install_signal_handlers()
+        try:
+            await self.startup()
+            await self.main_loop()
+        finally:
+            await self.shutdown()
+
+    async def __aenter__(self) -> Daemon:
+        await self.startup()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown()
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._on_signal, signal.SIGTERM)
+        loop.add_signal_handler(signal.SIGINT, self._on_signal, signal.SIGINT)
+
+    def _on_signal(self, sig: int) -> None:
+        # A second SIGINT while draining skips the rest of the drain.
+        self.request_exit(force=self.should_exit and sig == signal.SIGINT)
+
+    # ------------------------------------------------------------------ health source
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        ranks = self.service.ranks.values()
+        checks = {
+            "socket_listening": self.workers.listening,
+            "side_channel": self.service.peers.port > 0,
+            "agents": len(self.service.ranks),
+            "agents_registered": sum(1 for r in ranks if r.ready),
+        }
+        ready = (self.started and not self.should_exit and checks["socket_listening"] and checks["side_channel"]
+                 and checks["agents_registered"] == checks["agents"])
+        return ready, checks
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "version": __version__,
+            "engine_id": self.config.engine_id,
+            "daemon_id": self.daemon_id,
+            "side_channel_host": self.config.advertised_host,
+            "side_channel_port": self.service.peers.port,
+            "socket_path": self.config.socket_path,
+            "health_port": self.health.port,
+            "uptime_s": round(time.time() - self._started_at, 3),
+            "agents": [
+                {"rank": r.rank, "tp_size": r.tp_size, "role": r.role, "agent": r.agent.name,
+                 "registered": r.ready, "worker_connected": r.conn is not None}
+                for r in self.service.ranks.values()
+            ],
+            "peers": [
+                {"engine_id": p.engine_id, "daemon_id": p.daemon_id, "host": p.host, "port": p.port,
+                 "agents": sorted(p.agents)}
+                for p in self.service.peers.peers.values()
+            ],
+            "tables": self.service.table_sizes(),
+        }
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def __repr__(self) -> str:
+        return f"<Daemon {self.config.engine_id} started={self.started} exit={self.should_exit}>"

@@ -1,0 +1,78 @@
+"""Per-worker-rank state owned by the daemon: the NIXL agent, the registered KV memory
+and layout, the two matching tables, and the WRITEs in flight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pushsvc.protocol.peer import AgentInfo
+from pushsvc.protocol.worker import Region
+from pushsvc.shm import SharedBuffer
+from pushsvc.state.consumer import ConsumerTable
+from pushsvc.state.layout import Layout, RegionSpec
+from pushsvc.state.producer import Match, ProducerTable
+
+
+@dataclass(slots=True)
+class Inflight:
+    """A posted WRITE. Its blocks stay leased until the handle settles."""
+
+    match: Match
+    handle: Any
+    remote_agent: str
+    nbytes: int
+    posted_at: float
+
+
+@dataclass
+class LocalRank:
+    engine_id: str
+    rank: int
+    tp_size: int
+    role: str
+    agent: Any
+    producer: ProducerTable
+    consumer: ConsumerTable
+    conn: Any = None  # the worker connection that owns this rank, if connected
+    layout: Layout | None = None
+    regions: list[Region] = field(default_factory=list)
+    buffers: list[SharedBuffer] = field(default_factory=list)
+    local_dlist: Any = None
+    remote_dlists: dict[str, Any] = field(default_factory=dict)  # remote agent -> prepped list
+    remote_checked: dict[str, str] = field(default_factory=dict)  # remote agent -> "" ok / error
+    inflight: dict[str, Inflight] = field(default_factory=dict)  # by P request id
+    staged_at: dict[str, float] = field(default_factory=dict)
+    registered_at: dict[str, float] = field(default_factory=dict)  # D request id -> time
+
+    @property
+    def ready(self) -> bool:
+        return self.layout is not None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.inflight) or self.producer.busy or self.consumer.busy
+
+    def sizes(self) -> dict[str, int]:
+        return {**self.producer.sizes(), **self.consumer.sizes(), "inflight": len(self.inflight)}
+
+    def __repr__(self) -> str:
+        return f"<LocalRank {self.engine_id}/r{self.rank} role={self.role} agent={self.agent.name} {self.sizes()}>"
+
+
+def layout_from_regions(regions: list[Region], bases: list[int], blocks_per_logical: int) -> Layout:
+    return Layout(
+        tuple(
+            RegionSpec(bases[r.buffer] + r.offset, r.block_len, r.num_blocks, r.stride, r.group)
+            for r in regions
+        ),
+        blocks_per_logical,
+    )
+
+
+def layout_of_agent(info: AgentInfo) -> Layout:
+    """A remote agent's layout, as its daemon described it in the hello."""
+    return Layout(
+        tuple(RegionSpec(r.base, r.block_len, r.num_blocks, r.stride, r.group) for r in info.regions),
+        info.blocks_per_logical,
+    )

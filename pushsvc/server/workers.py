@@ -1,0 +1,315 @@
+"""The worker-facing Unix socket: access control, framing, fd passing.
+
+Sockets are driven with ``add_reader``/``add_writer`` rather than asyncio streams
+because memory registration carries file descriptors (SCM_RIGHTS), which streams cannot
+receive. A connection moves through ``ConnState`` in one place (``_advance``):
+
+    PREAMBLE -> HELLO -> READY -> CLOSED
+
+A bad frame payload gets an ``Error`` reply and a counter and the connection lives on;
+a bad preamble, an oversized length prefix or a protocol violation before hello closes
+that one connection. Nothing a worker sends can stop the daemon serving others.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import enum
+import grp
+import os
+import socket
+import struct
+from typing import Any, Callable
+
+import msgspec
+import structlog
+
+from pushsvc.errors import LayoutError, ProtocolError, TransferError
+from pushsvc.metrics import Metrics
+from pushsvc.protocol import worker as wp
+from pushsvc.protocol.framing import PREAMBLE, FrameBuffer, check_preamble, encode_preamble, frame
+
+log = structlog.get_logger("pushsvc.workers")
+
+_RECV_BYTES = 1 << 16
+_MAX_FDS_PER_MSG = 64
+_CMSG_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_MSG * 4)
+_UCRED = struct.Struct("3i")
+
+
+class ConnState(enum.Enum):
+    PREAMBLE = "preamble"
+    HELLO = "hello"
+    READY = "ready"
+    CLOSED = "closed"
+
+
+class WorkerConn:
+    """One worker connection. ``send`` never blocks: bytes queue until writable."""
+
+    def __init__(self, server: WorkerServer, sock: socket.socket, uid: int, pid: int) -> None:
+        self.server = server
+        self.sock = sock
+        self.uid = uid
+        self.pid = pid
+        self.state = ConnState.PREAMBLE
+        self.rank: Any = None
+        self._pre = b""
+        self._frames = FrameBuffer(server.max_frame)
+        self._fds: list[int] = []
+        self._out = bytearray()
+        self._writing = False
+
+    # ------------------------------------------------------------------ reading
+
+    def on_readable(self) -> None:
+        try:
+            data, anc, flags, _ = self.sock.recvmsg(_RECV_BYTES, _CMSG_SPACE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close("recv error")
+            return
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC or len(self._fds) > _MAX_FDS_PER_MSG:
+            self._reject("too_many_fds", "more file descriptors than one registration may carry", fatal=True)
+            return
+        if not data:
+            self.close("peer closed")
+            return
+        try:
+            if self.state is ConnState.PREAMBLE:
+                data = self._read_preamble(data)
+            for payload in self._frames.feed(data):
+                if self.state is ConnState.CLOSED:
+                    return
+                self._dispatch(payload)
+        except ProtocolError as exc:
+            self._reject("frame", str(exc), fatal=True)
+
+    def _read_preamble(self, data: bytes) -> bytes:
+        self._pre += data
+        if len(self._pre) < PREAMBLE.size:
+            return b""
+        check_preamble(self._pre[: PREAMBLE.size], wp.MAGIC, wp.MAJOR)
+        rest = self._pre[PREAMBLE.size :]
+        self._pre = b""
+        self.state = ConnState.HELLO
+        return rest
+
+    def _dispatch(self, payload: bytes) -> None:
+        try:
+            msg = wp.worker_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # Framing is intact, so the connection can go on after telling the worker.
+            self._reject("decode", f"malformed message: {exc}", fatal=self.state is ConnState.HELLO)
+            return
+        try:
+            self._advance(msg)
+        except (ProtocolError, LayoutError, TransferError, OSError) as exc:
+            request_id = getattr(msg, "request_id", "")
+            self._reject(type(exc).__name__, str(exc), fatal=self.state is ConnState.HELLO, request_id=request_id)
+        finally:
+            self._close_fds()
+
+    def _advance(self, msg: wp.WorkerMessage) -> None:
+        service = self.server.service
+        if self.state is ConnState.HELLO:
+            if not isinstance(msg, wp.Hello):
+                raise ProtocolError(f"expected hello, got {type(msg).__name__}")
+            self.send(service.attach_worker(self, msg))
+            self.rank = service.ranks[msg.rank]
+            self.state = ConnState.READY
+            log.info("worker_connected", rank=msg.rank, role=msg.role, pid=self.pid, uid=self.uid)
+        elif isinstance(msg, wp.Hello):
+            raise ProtocolError("hello sent twice")
+        elif isinstance(msg, wp.RegisterKV):
+            fds, self._fds = self._fds, []
+            try:
+                self.send(service.register_kv(self.rank, msg, fds))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        else:
+            service.on_worker_message(self.rank, msg)
+
+    # ------------------------------------------------------------------ writing
+
+    def send(self, msg: msgspec.Struct) -> None:
+        if self.state is ConnState.CLOSED:
+            return
+        self._out += frame(wp.encode(msg))
+        if not self._writing:
+            self._flush()
+
+    def send_raw(self, data: bytes) -> None:
+        self._out += data
+        self._flush()
+
+    def _flush(self) -> None:
+        try:
+            while self._out:
+                n = self.sock.send(self._out)
+                del self._out[:n]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self.close("send error")
+            return
+        loop = self.server.loop
+        if self._out and not self._writing:
+            self._writing = True
+            loop.add_writer(self.sock.fileno(), self._on_writable)
+        elif not self._out and self._writing:
+            self._writing = False
+            loop.remove_writer(self.sock.fileno())
+
+    def _on_writable(self) -> None:
+        self._flush()
+
+    # ------------------------------------------------------------------ closing
+
+    def _reject(self, reason: str, message: str, *, fatal: bool, request_id: str = "") -> None:
+        self.server.metrics.malformed.labels("worker", reason).inc()
+        log.warning("worker_input_rejected", reason=reason, error=message[:300], pid=self.pid,
+                    rank=getattr(self.rank, "rank", None), request_id=request_id or None)
+        self.send(wp.Error(code=reason, message=message[:1000], request_id=request_id))
+        if fatal:
+            self._flush()
+            self.close(reason)
+
+    def _close_fds(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+    def close(self, reason: str = "") -> None:
+        if self.state is ConnState.CLOSED:
+            return
+        was_ready = self.state is ConnState.READY
+        self.state = ConnState.CLOSED
+        loop = self.server.loop
+        loop.remove_reader(self.sock.fileno())
+        if self._writing:
+            loop.remove_writer(self.sock.fileno())
+        self._close_fds()
+        self.sock.close()
+        self.server.forget(self)
+        if was_ready:
+            self.server.service.detach_worker(self)
+            log.info("worker_disconnected", reason=reason, pid=self.pid, rank=getattr(self.rank, "rank", None))
+
+    def __repr__(self) -> str:
+        return f"<WorkerConn pid={self.pid} state={self.state.value} out={len(self._out)}>"
+
+
+class WorkerServer:
+    def __init__(self, *, path: str, service: Any, metrics: Metrics, max_frame: int,
+                 allowed_uids: list[int], group: str, max_connections: int) -> None:
+        self.path = path
+        self.service = service
+        self.metrics = metrics
+        self.max_frame = max_frame
+        self.allowed_uids = set(allowed_uids) | {0, os.getuid()}
+        self.gid = _resolve_group(group) if group else None
+        self.max_connections = max_connections
+        self.conns: set[WorkerConn] = set()
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._sock: socket.socket | None = None
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        if os.path.exists(self.path):
+            _remove_stale_socket(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        # The umask gives the socket its final mode at bind time: no window in which
+        # it exists with wider permissions.
+        old = os.umask(0o117 if self.gid is not None else 0o177)
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old)
+        if self.gid is not None:
+            os.chown(self.path, -1, self.gid)
+        sock.listen(128)
+        self._sock = sock
+        self.loop.add_reader(sock.fileno(), self._on_accept)
+
+    @property
+    def listening(self) -> bool:
+        return self._sock is not None
+
+    def _on_accept(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.error("accept_failed", error=str(exc))
+                return
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        reason = ""
+        if uid not in self.allowed_uids and not (self.gid is not None and gid == self.gid):
+            reason = "uid_not_allowed"
+        elif len(self.conns) >= self.max_connections:
+            reason = "too_many_connections"
+        if reason:
+            self.metrics.rejected_connections.labels("unix", reason).inc()
+            log.warning("worker_rejected", reason=reason, uid=uid, gid=gid, pid=pid)
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = WorkerConn(self, sock, uid, pid)
+        self.conns.add(conn)
+        self.metrics.worker_connections.set(len(self.conns))
+        conn.send_raw(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR))
+        self.loop.add_reader(sock.fileno(), conn.on_readable)
+
+    def forget(self, conn: WorkerConn) -> None:
+        self.conns.discard(conn)
+        self.metrics.worker_connections.set(len(self.conns))
+
+    def stop_listening(self) -> None:
+        if self._sock is not None:
+            self.loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.stop_listening()
+        for conn in list(self.conns):
+            conn.close("daemon shutdown")
+
+    def __repr__(self) -> str:
+        return f"<WorkerServer {self.path} conns={len(self.conns)}>"
+
+
+def _resolve_group(group: str) -> int:
+    return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Refuse to steal a live daemon's socket; remove one left by a dead daemon."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise OSError(f"another daemon is listening on {path}")

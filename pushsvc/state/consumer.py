@@ -1,0 +1,110 @@
+"""D-side registration table: requests waiting for P to push their KV.
+
+Pure state, ``now`` passed in. Life of a D request::
+
+    add --> pending --mark_sent--> sent --completion x expected--> done (removed)
+                \\_____________ fail / watchdog expiry ___________/--> failed (removed)
+
+``expected`` is how many completion notifications this rank must see: P ranks that
+write into it (P TP / D TP, at least 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RecvState(Enum):
+    PENDING = "pending"  # waiting for the handshake with P
+    SENT = "sent"  # PUSH_REG delivered to P's agent
+
+
+@dataclass(slots=True)
+class Remote:
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+
+
+@dataclass(slots=True)
+class PendingRecv:
+    request_id: str
+    block_ids: list[list[int]]
+    remote: Remote
+    deadline: float
+    expected: int
+    seen: int = 0
+    state: RecvState = RecvState.PENDING
+
+    @property
+    def flat_block_ids(self) -> list[int]:
+        return [b for group in self.block_ids for b in group]
+
+
+class CompletionOutcome(Enum):
+    DONE = "done"
+    PARTIAL = "partial"
+    UNKNOWN = "unknown"  # late, duplicate or foreign: counted, otherwise ignored
+
+
+@dataclass
+class ConsumerTable:
+    watchdog_s: float
+    local_tp_size: int = 1
+    pending: dict[str, PendingRecv] = field(default_factory=dict)
+
+    def add(self, request_id: str, block_ids: list[list[int]], remote: Remote, now: float) -> PendingRecv | None:
+        """Track a registration; ``None`` if the id is already tracked (idempotent)."""
+        if request_id in self.pending:
+            return None
+        expected = max(1, remote.tp_size // max(1, self.local_tp_size))
+        entry = PendingRecv(request_id, block_ids, remote, now + self.watchdog_s, expected)
+        self.pending[request_id] = entry
+        return entry
+
+    def mark_sent(self, request_id: str) -> bool:
+        entry = self.pending.get(request_id)
+        if entry is None:
+            return False
+        entry.state = RecvState.SENT
+        return True
+
+    def on_completion(self, request_id: str) -> tuple[CompletionOutcome, PendingRecv | None]:
+        entry = self.pending.get(request_id)
+        if entry is None or entry.state is not RecvState.SENT:
+            return CompletionOutcome.UNKNOWN, None
+        entry.seen += 1
+        if entry.seen < entry.expected:
+            return CompletionOutcome.PARTIAL, entry
+        del self.pending[request_id]
+        return CompletionOutcome.DONE, entry
+
+    def fail(self, request_id: str) -> PendingRecv | None:
+        return self.pending.pop(request_id, None)
+
+    def evict(self, request_id: str) -> bool:
+        return self.pending.pop(request_id, None) is not None
+
+    def expire(self, now: float) -> list[PendingRecv]:
+        gone = [e for e in self.pending.values() if e.deadline <= now]
+        for e in gone:
+            del self.pending[e.request_id]
+        return gone
+
+    def waiting_on(self, engine_id: str) -> list[PendingRecv]:
+        return [e for e in self.pending.values() if e.remote.engine_id == engine_id]
+
+    def next_deadline(self) -> float | None:
+        return min((e.deadline for e in self.pending.values()), default=None)
+
+    @property
+    def busy(self) -> bool:
+        return any(e.state is RecvState.SENT for e in self.pending.values())
+
+    def sizes(self) -> dict[str, int]:
+        return {"d_pending": len(self.pending)}
+
+    def __repr__(self) -> str:
+        return f"<ConsumerTable pending={len(self.pending)}>"

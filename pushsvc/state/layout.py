@@ -1,0 +1,142 @@
+"""KV layouts and WRITE planning: which local descriptor goes to which remote one.
+
+A layout is the ordered list of a rank's regions. Both sides build a NIXL descriptor
+list of every block of every region in that order (``descriptor_table``), once; a
+WRITE then names blocks by index into the two lists (``plan_write``). Scheduler block
+ids are logical; each logical block is ``blocks_per_logical`` physical kernel blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pushsvc.errors import LayoutError
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSpec:
+    base: int
+    block_len: int
+    num_blocks: int
+    stride: int
+    group: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    regions: tuple[RegionSpec, ...]
+    blocks_per_logical: int = 1
+
+    @property
+    def groups(self) -> int:
+        return 1 + max((r.group for r in self.regions), default=0)
+
+    def logical_blocks(self, group: int) -> int:
+        """Logical blocks every region of ``group`` can hold."""
+        counts = [r.num_blocks for r in self.regions if r.group == group]
+        return min(counts) // self.blocks_per_logical if counts else 0
+
+    @property
+    def total_descriptors(self) -> int:
+        return sum(r.num_blocks for r in self.regions)
+
+    @property
+    def bytes_per_logical_block(self) -> int:
+        return sum(r.block_len for r in self.regions) * self.blocks_per_logical
+
+
+def descriptor_table(layout: Layout, device_id: int = 0) -> np.ndarray:
+    """Nx3 uint64 array (address, length, device) of every block of every region."""
+    parts = []
+    for r in layout.regions:
+        rows = np.empty((r.num_blocks, 3), dtype=np.uint64)
+        rows[:, 0] = r.base + np.arange(r.num_blocks, dtype=np.uint64) * np.uint64(r.stride)
+        rows[:, 1] = r.block_len
+        rows[:, 2] = device_id
+        parts.append(rows)
+    return np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.uint64)
+
+
+def check_compatible(src: Layout, dst: Layout) -> None:
+    """P and D must pair region i with region i, same page size and group."""
+    if src.blocks_per_logical != dst.blocks_per_logical:
+        raise LayoutError(
+            f"kernel blocks per logical block differ: local {src.blocks_per_logical}, "
+            f"remote {dst.blocks_per_logical}"
+        )
+    if len(src.regions) != len(dst.regions):
+        raise LayoutError(f"region count differs: local {len(src.regions)}, remote {len(dst.regions)}")
+    for i, (s, d) in enumerate(zip(src.regions, dst.regions)):
+        if s.block_len != d.block_len:
+            raise LayoutError(f"region {i}: kernel block length differs ({s.block_len} vs {d.block_len})")
+        if s.group != d.group:
+            raise LayoutError(f"region {i}: KV group differs ({s.group} vs {d.group})")
+
+
+def check_block_ids(layout: Layout, block_ids: list[list[int]], who: str) -> None:
+    """Every id in range for its group, no id twice: else nothing may be written."""
+    if len(block_ids) > layout.groups:
+        raise LayoutError(f"{who}: {len(block_ids)} block groups, layout has {layout.groups}")
+    for g, ids in enumerate(block_ids):
+        limit = layout.logical_blocks(g)
+        if ids and (min(ids) < 0 or max(ids) >= limit):
+            raise LayoutError(f"{who}: group {g} names a block outside 0..{limit - 1}")
+        if len(set(ids)) != len(ids):
+            raise LayoutError(f"{who}: group {g} names a block twice")
+
+
+@dataclass(frozen=True, slots=True)
+class WritePlan:
+    src_indices: np.ndarray  # int32 indices into the source descriptor table
+    dst_indices: np.ndarray
+    nbytes: int
+    logical_blocks: int
+
+
+def _expand(ids: list[int], per_logical: int) -> np.ndarray:
+    base = np.asarray(ids, dtype=np.int64) * per_logical
+    return (base[:, None] + np.arange(per_logical, dtype=np.int64)).reshape(-1)
+
+
+def plan_write(
+    src: Layout, dst: Layout, src_blocks: list[list[int]], dst_blocks: list[list[int]]
+) -> WritePlan:
+    """Pair P's blocks with D's blocks, region by region.
+
+    D may have allocated fewer blocks than P holds (a prefix-cache hit on D): then only
+    P's last ``len(dst)`` blocks of that group are written, into D's blocks in order.
+    D asking for more blocks than P has is an error: some of D's KV would stay unwritten.
+    """
+    check_block_ids(src, src_blocks, "local blocks")
+    check_block_ids(dst, dst_blocks, "remote blocks")
+    src_idx: list[np.ndarray] = []
+    dst_idx: list[np.ndarray] = []
+    nbytes = 0
+    logical = 0
+    src_off = dst_off = 0
+    for s_reg, d_reg in zip(src.regions, dst.regions):
+        g = s_reg.group
+        s_ids = src_blocks[g] if g < len(src_blocks) else []
+        d_ids = dst_blocks[g] if g < len(dst_blocks) else []
+        if len(d_ids) > len(s_ids):
+            raise LayoutError(f"group {g}: remote asks for {len(d_ids)} blocks, only {len(s_ids)} exist")
+        if d_ids:
+            s_tail = s_ids[len(s_ids) - len(d_ids) :]
+            s_phys = _expand(s_tail, src.blocks_per_logical)
+            d_phys = _expand(d_ids, dst.blocks_per_logical)
+            src_idx.append(s_phys + src_off)
+            dst_idx.append(d_phys + dst_off)
+            nbytes += s_reg.block_len * len(s_phys)
+        src_off += s_reg.num_blocks
+        dst_off += d_reg.num_blocks
+    for g in range(max(len(src_blocks), len(dst_blocks))):
+        logical += len(dst_blocks[g]) if g < len(dst_blocks) else 0
+    empty = np.empty(0, dtype=np.int32)
+    return WritePlan(
+        src_indices=np.concatenate(src_idx).astype(np.int32) if src_idx else empty,
+        dst_indices=np.concatenate(dst_idx).astype(np.int32) if dst_idx else empty,
+        nbytes=nbytes,
+        logical_blocks=logical,
+    )

@@ -1,0 +1,229 @@
+"""load_config: layering, derived defaults and every rejection path, without touching os.environ."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from pushsvc.config import MiB, Config, load_config, to_dict
+from pushsvc.errors import ConfigError
+
+# A stand-in for an empty environment that still fixes the runtime dir.
+BASE_ENV = {"XDG_RUNTIME_DIR": "/run/user/1000"}
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "pushsvc.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def config_error(**kwargs: object) -> ConfigError:
+    kwargs.setdefault("env", BASE_ENV)
+    with pytest.raises(ConfigError) as info:
+        load_config(**kwargs)  # type: ignore[arg-type]
+    return info.value
+
+
+# Defaults and derived values
+
+
+def test_defaults_resolve_under_xdg_runtime_dir() -> None:
+    cfg = load_config(env=BASE_ENV)
+    assert cfg.runtime_dir == "/run/user/1000/pushsvc"
+    assert cfg.socket_path == "/run/user/1000/pushsvc/pushsvc.sock"
+    assert cfg.health_port == 8471
+    assert cfg.side_channel_port == 8472
+    assert cfg.advertised_host == "127.0.0.1"
+    assert cfg.nixl_backends == ["UCX"]
+    assert cfg.max_worker_frame == 16 * MiB
+    assert cfg.allowed_uids == []
+
+
+def test_runtime_dir_falls_back_to_tmp_per_uid() -> None:
+    cfg = load_config(env={})
+    assert cfg.runtime_dir == f"/tmp/pushsvc-{os.getuid()}"
+    assert cfg.socket_path == f"{cfg.runtime_dir}/pushsvc.sock"
+
+
+def test_engine_id_generated_from_hostname_and_unique() -> None:
+    first = load_config(env=BASE_ENV).engine_id
+    second = load_config(env=BASE_ENV).engine_id
+    host, _, suffix = first.rpartition("-")
+    assert host == socket.gethostname()
+    assert len(suffix) == 8
+    assert first != second
+
+
+def test_explicit_values_are_kept_by_resolve() -> None:
+    cfg = load_config(
+        env=BASE_ENV,
+        overrides={"engine_id": "p0", "socket_path": "/x/s.sock", "advertised_host": "10.0.0.5"},
+    )
+    assert (cfg.engine_id, cfg.socket_path, cfg.advertised_host) == ("p0", "/x/s.sock", "10.0.0.5")
+    assert cfg.resolve(BASE_ENV) == cfg
+
+
+def test_wildcard_bind_advertises_hostname() -> None:
+    cfg = load_config(env=BASE_ENV, overrides={"side_channel_host": "0.0.0.0"})
+    assert cfg.advertised_host == socket.gethostname()
+
+
+def test_to_dict_is_plain_builtins() -> None:
+    d = to_dict(load_config(env=BASE_ENV, overrides={"engine_id": "e"}))
+    assert d["engine_id"] == "e"
+    assert d["nixl_backends"] == ["UCX"]
+    assert set(d) == set(Config.__struct_fields__)
+
+
+# Layering
+
+
+def test_toml_top_level(tmp_path: Path) -> None:
+    path = write(tmp_path, 'health_port = 9000\nlease_s = 30\nnixl_backends = ["UCX", "GDS"]\n')
+    cfg = load_config(path, env=BASE_ENV)
+    assert cfg.health_port == 9000
+    assert cfg.lease_s == 30.0
+    assert cfg.nixl_backends == ["UCX", "GDS"]
+
+
+def test_toml_pushsvc_table_ignores_other_tools_tables(tmp_path: Path) -> None:
+    path = write(tmp_path, "[pushsvc]\nhealth_port = 9001\n\n[vllm]\nwhatever = 1\n")
+    assert load_config(path, env=BASE_ENV).health_port == 9001
+
+
+def test_toml_key_outside_pushsvc_table_rejected(tmp_path: Path) -> None:
+    path = write(tmp_path, 'log_level = "debug"\n[pushsvc]\nhealth_port = 9001\n')
+    assert config_error(path=path).field == "log_level"
+
+
+def test_env_overrides_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "health_port = 9000\nverify = false\n")
+    cfg = load_config(path, env={**BASE_ENV, "PUSHSVC_HEALTH_PORT": "9100", "PUSHSVC_VERIFY": "yes"})
+    assert cfg.health_port == 9100
+    assert cfg.verify is True
+
+
+def test_overrides_beat_env_and_none_is_ignored() -> None:
+    env = {**BASE_ENV, "PUSHSVC_HEALTH_PORT": "9100", "PUSHSVC_LOG_LEVEL": "debug"}
+    cfg = load_config(env=env, overrides={"health_port": 9200, "log_level": None})
+    assert cfg.health_port == 9200
+    assert cfg.log_level == "debug"
+
+
+def test_config_path_from_env(tmp_path: Path) -> None:
+    path = write(tmp_path, "health_port = 9300\n")
+    assert load_config(env={**BASE_ENV, "PUSHSVC_CONFIG": path}).health_port == 9300
+
+
+def test_env_lists_and_types() -> None:
+    env = {
+        **BASE_ENV,
+        "PUSHSVC_ALLOWED_UIDS": "1000,1001",
+        "PUSHSVC_NIXL_BACKENDS": "UCX, GDS",
+        "PUSHSVC_PEER_TIMEOUT_S": "7.5",
+        "PUSHSVC_NIXL_PROGRESS_THREAD": "1",
+        "PUSHSVC_SOCKET_GROUP": "kv",
+    }
+    cfg = load_config(env=env)
+    assert cfg.allowed_uids == [1000, 1001]
+    assert cfg.nixl_backends == ["UCX", "GDS"]
+    assert cfg.peer_timeout_s == 7.5
+    assert cfg.nixl_progress_thread is True
+    assert cfg.socket_group == "kv"
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("0", False), ("FALSE", False), ("no", False), ("True", True)])
+def test_env_bool_words(raw: str, expected: bool) -> None:
+    assert load_config(env={**BASE_ENV, "PUSHSVC_VERIFY": raw}).verify is expected
+
+
+# Rejections, each naming the field
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"health_port": 70000}, "health_port"),
+        ({"side_channel_port": -1}, "side_channel_port"),
+        ({"lease_s": -1.0}, "lease_s"),
+        ({"drain_timeout_s": 0.0}, "drain_timeout_s"),
+        ({"watchdog_s": float("nan")}, "watchdog_s"),
+        ({"max_peer_frame": 0}, "max_peer_frame"),
+        ({"log_format": "xml"}, "log_format"),
+        ({"log_level": "trace"}, "log_level"),
+        ({"nixl_backends": []}, "nixl_backends"),
+        ({"allowed_uids": [-5]}, "allowed_uids"),
+        ({"socket_path": "relative.sock"}, "socket_path"),
+        ({"socket_path": "/" + "x" * 200}, "socket_path"),
+        ({"heartbeat_interval_s": 5.0, "peer_timeout_s": 5.0}, "heartbeat_interval_s"),
+        ({"heartbeat_interval_s": 6.0}, "heartbeat_interval_s"),
+        ({"health_port": "80"}, "health_port"),
+        ({"no_such_field": 1}, "no_such_field"),
+    ],
+)
+def test_invalid_values_name_the_field(overrides: dict[str, object], field: str) -> None:
+    err = config_error(overrides=overrides)
+    assert err.field == field
+    assert str(err).startswith(f"{field}: ")
+
+
+def test_unknown_toml_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "health_prot = 9000\n")
+    assert config_error(path=path).field == "health_prot"
+
+
+def test_unknown_key_in_pushsvc_table(tmp_path: Path) -> None:
+    path = write(tmp_path, "[pushsvc]\nlease = 3\n")
+    assert config_error(path=path).field == "lease"
+
+
+def test_wrong_toml_type(tmp_path: Path) -> None:
+    path = write(tmp_path, 'health_port = "9000"\n')
+    assert config_error(path=path).field == "health_port"
+
+
+def test_wrong_toml_list_item_type(tmp_path: Path) -> None:
+    path = write(tmp_path, 'allowed_uids = [1000, "bob"]\n')
+    assert config_error(path=path).field == "allowed_uids"
+
+
+def test_bool_is_not_an_int_in_toml(tmp_path: Path) -> None:
+    path = write(tmp_path, "max_worker_connections = true\n")
+    assert config_error(path=path).field == "max_worker_connections"
+
+
+def test_unknown_env_var() -> None:
+    err = config_error(env={**BASE_ENV, "PUSHSVC_HEALTH_PROT": "1"})
+    assert err.field == "PUSHSVC_HEALTH_PROT"
+
+
+def test_unrelated_env_vars_are_ignored() -> None:
+    load_config(env={**BASE_ENV, "PUSHSVCX": "1", "HOME": "/root"})
+
+
+@pytest.mark.parametrize(
+    ("var", "raw", "field"),
+    [
+        ("PUSHSVC_VERIFY", "maybe", "verify"),
+        ("PUSHSVC_HEALTH_PORT", "eighty", "health_port"),
+        ("PUSHSVC_LEASE_S", "", "lease_s"),
+        ("PUSHSVC_ALLOWED_UIDS", "1000,bob", "allowed_uids"),
+    ],
+)
+def test_unparsable_env_value(var: str, raw: str, field: str) -> None:
+    assert config_error(env={**BASE_ENV, var: raw}).field == field
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    err = config_error(path=str(tmp_path / "absent.toml"))
+    assert err.field == "config"
+    assert "absent.toml" in err.message
+
+
+def test_toml_syntax_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "health_port = = 1\n")
+    assert config_error(path=path).field == "config"
