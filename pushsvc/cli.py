@@ -7,7 +7,6 @@ receives a ``Config``. Invalid configuration exits with status 2 and names the f
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import urllib.error
@@ -82,13 +81,9 @@ def _serve(args: argparse.Namespace) -> int:
     from pushsvc.logging import configure_logging
 
     configure_logging(config.log_format, config.log_level)
-    return asyncio.run(_run_daemon(config, args.ready_file), loop_factory=_loop_factory())
-
-
-def _loop_factory():
     import uvloop
 
-    return uvloop.new_event_loop
+    return uvloop.run(_run_daemon(config, args.ready_file))
 
 
 async def _run_daemon(config: Config, ready_file: str | None) -> int:

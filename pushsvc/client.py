@@ -92,9 +92,9 @@ class DaemonClient:
         sock = self._require()
         if self._out:
             self._flush()
-        events = self._backlog
-        if events:
-            self._backlog = []
+        events: list[wp.DaemonMessage] = []
+        if self._backlog:
+            events, self._backlog = self._backlog, events
         while True:
             try:
                 data = sock.recv(_RECV_BYTES)

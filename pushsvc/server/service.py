@@ -294,6 +294,14 @@ class PushService(PeerEvents):
             self._malformed("notification", "push_reg_wrong_engine", sender,
                             ProtocolError(f"PUSH_REG for engine {reg.remote_engine_id}"))
             return
+        known = self.peers.find_agent(sender)
+        if known is not None and (known.engine_id != reg.decode_engine_id or
+                                  (a := known.agents[sender]).rank != reg.decode_rank or a.tp_size != reg.decode_tp_size):
+            # A known agent registering for someone else's engine or rank: refusing it
+            # here keeps it from squatting on a request id the real D will use.
+            self._malformed("notification", "push_reg_sender_mismatch", sender,
+                            ProtocolError(f"agent of {known.engine_id} sent a PUSH_REG for {reg.decode_engine_id}"))
+            return
         now = asyncio.get_running_loop().time()
         outcome, match = rank.producer.add_registration(reg, sender, now)
         self.metrics.notifications.labels("push_reg").inc()
@@ -305,7 +313,7 @@ class PushService(PeerEvents):
 
     def _start_push(self, rank: LocalRank, match: Match) -> None:
         reg = match.registration.reg
-        peer = self.peers.find_engine(reg.decode_engine_id)
+        peer = self.peers.find_agent(match.registration.sender) or self.peers.find_engine(reg.decode_engine_id)
         if peer is not None:
             self._write(rank, match, peer)
         else:
@@ -324,9 +332,12 @@ class PushService(PeerEvents):
     def _write(self, rank: LocalRank, match: Match, peer: Peer) -> None:
         reg = match.registration.reg
         target = peer.agents.get(match.registration.sender)
-        if target is None or target.rank != reg.decode_rank or target.tp_size != reg.decode_tp_size:
-            self._fail_push(rank, match, peer, "sender_mismatch",
-                            f"PUSH_REG sender {match.registration.sender} is not {peer.engine_id} rank {reg.decode_rank}")
+        if (peer.engine_id != reg.decode_engine_id or target is None or target.rank != reg.decode_rank
+                or target.tp_size != reg.decode_tp_size):
+            # Not D's own registration: D is not told (it may not even exist).
+            self._fail_push(rank, match, None, "sender_mismatch",
+                            f"PUSH_REG sender {match.registration.sender} is not {reg.decode_engine_id} "
+                            f"rank {reg.decode_rank}", notify_remote=False)
             return
         try:
             remote_layout = self._remote_layout(rank, target)
@@ -388,7 +399,8 @@ class PushService(PeerEvents):
             peer = self.peers.find_agent(flight.remote_agent)
             self._fail_push(rank, flight.match, peer, "write_failed", "NIXL reported the WRITE failed")
 
-    def _fail_push(self, rank: LocalRank, match: Match, peer: Peer | None, kind: str, reason: str) -> None:
+    def _fail_push(self, rank: LocalRank, match: Match, peer: Peer | None, kind: str, reason: str,
+                   notify_remote: bool = True) -> None:
         """P cannot push: free P's lease now and tell D now (not at its watchdog)."""
         rank.producer.finish(match.request_id)
         rank.staged_at.pop(match.request_id, None)
@@ -398,12 +410,11 @@ class PushService(PeerEvents):
         log.warning("push_failed", request_id=match.request_id, remote_request_id=reg.request_id,
                     peer=reg.decode_engine_id, kind=kind, error=reason)
         self._tell(rank, wp.SendFailed(request_id=match.request_id, reason=f"{kind}: {reason}"))
-        if peer is None:
-            peer = self.peers.find_engine(reg.decode_engine_id)
-        if peer is not None:
+        self._update_gauges()
+        peer = peer or self.peers.find_engine(reg.decode_engine_id)
+        if notify_remote and peer is not None:
             self.peers.send(peer, pp.PushFailed(request_id=reg.request_id, rank=reg.decode_rank,
                                                 reason=f"{kind}: {reason}"))
-        self._update_gauges()
 
     # ================================================================ peer events
 

@@ -638,5 +638,5 @@ class ProducerMachine(RuleBasedStateMachine):
 def test_producer_table_state_machine(push_reg) -> None:
     run_state_machine_as_test(
         lambda: ProducerMachine(push_reg),
-        settings=settings(max_examples=300, stateful_step_count=60, deadline=None),
+        settings=settings(max_examples=200, stateful_step_count=50, deadline=None),
     )

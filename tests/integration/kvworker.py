@@ -1,0 +1,160 @@
+"""A stand-in vLLM worker process for integration tests, driven over stdin/stdout.
+
+It owns a KV cache with a vLLM-like layout in memfd shared memory (``layers`` layers,
+each a K and a V region, spread over two buffers), registers it with its daemon through
+the real client library, and executes JSON-line commands. Every block starts filled
+with a pattern unique to (seed, region, block), so the test can tell which bytes moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import sys
+import time
+
+from pushsvc.client import DaemonClient
+from pushsvc.errors import DaemonUnavailable
+from pushsvc.protocol import worker as wp
+from pushsvc.shm import SharedBuffer
+
+
+def pattern(seed: int, region: int, block: int, length: int) -> bytes:
+    head = hashlib.blake2b(f"{seed}:{region}:{block}".encode(), digest_size=32).digest()
+    return (head * (length // len(head) + 1))[:length]
+
+
+class KVWorker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.client = DaemonClient(args.socket, engine_id=args.engine_id, rank=args.rank,
+                                   tp_size=args.tp_size, role=args.role)
+        n_regions = 2 * args.layers
+        per_buffer = [n_regions // 2, n_regions - n_regions // 2]
+        self.buffers = [SharedBuffer.create(n * args.blocks * args.block_len) for n in per_buffer]
+        self.regions: list[wp.Region] = []
+        for b, count in enumerate(per_buffer):
+            for i in range(count):
+                layer = (len(self.regions)) // 2
+                self.regions.append(wp.Region(
+                    buffer=b, offset=i * args.blocks * args.block_len, block_len=args.block_len,
+                    num_blocks=args.blocks, layer_names=[f"model.layers.{layer}.self_attn"]))
+        for r_idx, region in enumerate(self.regions):
+            for blk in range(args.blocks):
+                self.write_block(r_idx, blk, pattern(args.seed, r_idx, blk, args.block_len))
+        self.events: list[dict] = []
+
+    def block_addr(self, region: int, block: int) -> int:
+        r = self.regions[region]
+        return self.buffers[r.buffer].address + r.offset + block * r.stride
+
+    def write_block(self, region: int, block: int, data: bytes) -> None:
+        ctypes.memmove(self.block_addr(region, block), data, len(data))
+
+    def read_block(self, region: int, block: int) -> bytes:
+        return ctypes.string_at(self.block_addr(region, block), self.args.block_len)
+
+    def start(self) -> dict:
+        welcome = self.client.connect()
+        reg = self.client.register_kv([b.fd for b in self.buffers], self.regions, self.args.blocks_per_logical)
+        return {"welcome": _as_dict(welcome), "registered": _as_dict(reg)}
+
+    def handle(self, cmd: dict) -> dict:
+        op = cmd["op"]
+        if op == "recv":
+            self.client.send(wp.RegisterRecv(
+                request_id=cmd["request_id"], local_block_ids=cmd["block_ids"],
+                remote_engine_id=cmd["remote_engine_id"], remote_host=cmd["remote_host"],
+                remote_port=cmd["remote_port"], remote_tp_size=cmd.get("remote_tp_size", 1)))
+            return {}
+        if op == "ready":
+            self.client.send(wp.SendReady(request_id=cmd["request_id"], block_ids=cmd["block_ids"]))
+            return {}
+        if op == "evict":
+            self.client.send(wp.Evict(request_ids=cmd["request_ids"]))
+            return {}
+        if op == "wait":
+            return self.wait(cmd["request_id"], cmd.get("timeout", 10.0))
+        if op == "digests":
+            return {"digests": [[hashlib.sha1(self.read_block(r, b)).hexdigest() for b in range(self.args.blocks)]
+                                for r in range(len(self.regions))]}
+        if op == "ping":
+            t0 = time.perf_counter()
+            n = cmd.get("count", 1000)
+            for i in range(n):
+                self.client.send(wp.Ping(token=i))
+                while not any(isinstance(e, wp.Pong) for e in self._poll()):
+                    pass
+            return {"round_trip_us": (time.perf_counter() - t0) / n * 1e6}
+        if op == "idle_poll":
+            n = cmd.get("count", 100000)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                self.client.poll()
+            return {"poll_us": (time.perf_counter() - t0) / n * 1e6}
+        raise ValueError(f"unknown op {op}")
+
+    def _poll(self) -> list:
+        got = self.client.poll()
+        for e in got:
+            if not isinstance(e, wp.Pong):
+                self.events.append(_as_dict(e))
+        return got
+
+    def wait(self, request_id: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, e in enumerate(self.events):
+                if e.get("request_id") == request_id:
+                    return {"event": self.events.pop(i)}
+            if time.monotonic() > deadline:
+                return {"event": None}
+            self._poll()
+            time.sleep(0.001)
+
+
+def _as_dict(msg) -> dict:
+    import msgspec
+
+    d = msgspec.to_builtins(msg)
+    d.pop("t", None)
+    d["type"] = type(msg).__name__
+    return d
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--socket", required=True)
+    p.add_argument("--engine-id", required=True)
+    p.add_argument("--role", required=True)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--blocks", type=int, default=32)
+    p.add_argument("--block-len", type=int, default=2048)
+    p.add_argument("--blocks-per-logical", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args()
+    worker = KVWorker(args)
+    out = sys.stdout
+    try:
+        out.write(json.dumps({"ok": True, **worker.start()}) + "\n")
+    except Exception as exc:  # reported to the test, which decides
+        out.write(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        out.flush()
+        return 1
+    out.flush()
+    for line in sys.stdin:
+        try:
+            reply = {"ok": True, **worker.handle(json.loads(line))}
+        except DaemonUnavailable as exc:
+            reply = {"ok": False, "error": f"DaemonUnavailable: {exc}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""Two real daemons, two real worker processes, real NIXL (UCX over loopback)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvworker import pattern
+
+pytestmark = pytest.mark.nixl
+
+LAYERS = 3
+P_BLOCKS = 24
+D_BLOCKS = 40
+BLOCK_LEN = 2048
+
+
+def _pair(spawn, p_extra=(), d_extra=(), **d_opts):
+    P = spawn.daemon("prefill", *p_extra)
+    D = spawn.daemon("decode", *d_extra)
+    pw = spawn.worker(P, "producer", layers=LAYERS, blocks=P_BLOCKS, block_len=BLOCK_LEN, seed=1)
+    dw = spawn.worker(D, "consumer", layers=LAYERS, blocks=D_BLOCKS, block_len=d_opts.get("block_len", BLOCK_LEN), seed=2)
+    assert pw.hello["ok"] and dw.hello["ok"], (pw.hello, dw.hello)
+    return P, D, pw, dw
+
+
+def _recv(dw, P, request_id, blocks):
+    dw.call("recv", request_id=request_id, block_ids=[blocks], remote_engine_id=P.engine_id,
+            remote_host="127.0.0.1", remote_port=P.side_port)
+
+
+def _expected_d(mapping: dict[int, int], seed_p=1, seed_d=2):
+    """Digests D must hold: P's block where mapped, D's own pattern everywhere else."""
+    import hashlib
+
+    out = []
+    for r in range(2 * LAYERS):
+        row = []
+        for b in range(D_BLOCKS):
+            data = pattern(seed_p, r, mapping[b], BLOCK_LEN) if b in mapping else pattern(seed_d, r, b, BLOCK_LEN)
+            row.append(hashlib.sha1(data).hexdigest())
+        out.append(row)
+    return out
+
+
+def _tables_empty(*daemons):
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if all(not any(d.live_info()["tables"].values()) for d in daemons):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("order", ["registration_first", "blocks_first"])
+def test_push_lands_exact_bytes(spawn, order):
+    P, D, pw, dw = _pair(spawn)
+    p_blocks, d_blocks = [3, 7, 8, 20, 1], [30, 2, 17, 5, 39]
+    # The proxy gives both legs one id; each engine appends its own random suffix.
+    rid_p, rid_d = "cmpl-7f3a-0-1a2b3c4d", "cmpl-7f3a-0-deadbeef"
+    if order == "registration_first":
+        _recv(dw, P, rid_d, d_blocks)
+        time.sleep(0.3)
+        pw.call("ready", request_id=rid_p, block_ids=[p_blocks])
+    else:
+        pw.call("ready", request_id=rid_p, block_ids=[p_blocks])
+        time.sleep(0.3)
+        _recv(dw, P, rid_d, d_blocks)
+    assert dw.wait(rid_d) == {"type": "RecvDone", "request_id": rid_d}
+    assert pw.wait(rid_p) == {"type": "SendDone", "request_id": rid_p}
+    assert dw.digests() == _expected_d(dict(zip(d_blocks, p_blocks)))
+    assert _tables_empty(P, D)
+    assert P.metric("pushsvc_transfers_total", result="done") == 1
+    assert P.metric("pushsvc_transfer_bytes_total") == len(p_blocks) * 2 * LAYERS * BLOCK_LEN
+
+
+def test_prefix_hit_writes_only_the_tail(spawn):
+    P, D, pw, dw = _pair(spawn)
+    p_blocks, d_blocks = [4, 5, 6, 9], [11, 12]  # D already had the first two blocks cached
+    _recv(dw, P, "req-prefix", d_blocks)
+    pw.call("ready", request_id="req-prefix", block_ids=[p_blocks])
+    assert dw.wait("req-prefix")["type"] == "RecvDone"
+    assert pw.wait("req-prefix")["type"] == "SendDone"
+    assert dw.digests() == _expected_d({11: 6, 12: 9})
+
+
+def test_many_concurrent_pushes(spawn):
+    P, D, pw, dw = _pair(spawn)
+    mapping = {}
+    for i in range(12):
+        p_ids, d_ids = [i, 12 + i], [2 * i, 2 * i + 1]
+        mapping.update(zip(d_ids, p_ids))
+        _recv(dw, P, f"r{i}", d_ids)
+        pw.call("ready", request_id=f"r{i}", block_ids=[p_ids])
+    for i in range(12):
+        assert dw.wait(f"r{i}")["type"] == "RecvDone"
+        assert pw.wait(f"r{i}")["type"] == "SendDone"
+    assert dw.digests() == _expected_d(mapping)
+    assert _tables_empty(P, D)
+
+
+def test_p_lease_expiry_frees_state(spawn):
+    P, D, pw, dw = _pair(spawn, p_extra=("--lease-s", "0.5"))
+    pw.call("ready", request_id="orphan", block_ids=[[1, 2, 3]])
+    event = pw.wait("orphan", timeout=10)
+    assert event["type"] == "SendFailed" and "lease" in event["reason"]
+    assert _tables_empty(P)
+    assert P.metric("pushsvc_leases_expired_total") == 1
+
+
+def test_d_watchdog_fails_request(spawn):
+    P, D, pw, dw = _pair(spawn, d_extra=("--watchdog-s", "0.5"))
+    _recv(dw, P, "never-prefilled", [1, 2])
+    event = dw.wait("never-prefilled", timeout=10)
+    assert event["type"] == "RecvFailed"
+    assert "watchdog" in event["reason"] and event["block_ids"] == [1, 2]
+    assert _tables_empty(D)
+    assert D.metric("pushsvc_watchdog_expired_total") == 1
+
+
+def test_p_side_failure_reaches_d_before_watchdog(spawn):
+    # D's pages are twice P's: P's pre-WRITE check of D's layout fails. D's watchdog
+    # is a minute away; the failure must come from P over the side channel.
+    P, D, pw, dw = _pair(spawn, d_extra=("--watchdog-s", "60"), block_len=2 * BLOCK_LEN)
+    _recv(dw, P, "mismatch", [1])
+    pw.call("ready", request_id="mismatch", block_ids=[[2]])
+    t0 = time.monotonic()
+    event = dw.wait("mismatch", timeout=20)
+    assert event is not None and time.monotonic() - t0 < 20
+    assert event["type"] == "RecvFailed" and "layout" in event["reason"]
+    p_event = pw.wait("mismatch")
+    assert p_event["type"] == "SendFailed"
+    assert P.metric("pushsvc_failures_total", kind="layout_mismatch") == 1
+    assert _tables_empty(P, D)
+
+
+def test_handshake_failure_fails_registration(spawn):
+    P, D, pw, dw = _pair(spawn, d_extra=("--watchdog-s", "60"))
+    dw.call("recv", request_id="nowhere", block_ids=[[1]], remote_engine_id="ghost",
+            remote_host="127.0.0.1", remote_port=1)
+    event = dw.wait("nowhere", timeout=20)
+    assert event["type"] == "RecvFailed" and "handshake" in event["reason"]
+    assert _tables_empty(D)
+
+
+def test_duplicate_and_evicted_registrations(spawn):
+    P, D, pw, dw = _pair(spawn)
+    _recv(dw, P, "dup", [1])
+    _recv(dw, P, "dup", [1])
+    _recv(dw, P, "gone", [2])
+    dw.call("evict", request_ids=["gone"])
+    pw.call("ready", request_id="dup", block_ids=[[5]])
+    assert dw.wait("dup")["type"] == "RecvDone"
+    assert dw.wait("dup", timeout=0.5) is None  # exactly one completion
+    assert D.metric("pushsvc_duplicates_total", kind="registration") == 1
+    assert _tables_empty(D)
+
+
+def test_foreign_agent_notifications_are_counted_and_ignored(spawn):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    P, D, pw, dw = _pair(spawn)
+    _recv(dw, P, "before", [3])  # D and P know each other now
+    pw.call("ready", request_id="before", block_ids=[[4]])
+    assert dw.wait("before")["type"] == "RecvDone"
+    script = Path(__file__).parent / "intruder.py"
+    out = subprocess.run([sys.executable, str(script), "127.0.0.1", str(P.side_port), P.engine_id],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    sent = json.loads(out.stdout.strip().splitlines()[-1])
+    deadline = time.monotonic() + 10
+    while P.metric("pushsvc_malformed_inputs_total", source="notification") < sent["malformed"]:
+        assert time.monotonic() < deadline, P.get("/metrics")[1]
+        time.sleep(0.05)
+    assert P.metric("pushsvc_malformed_inputs_total", source="notification", reason="push_reg") == 5
+    assert P.metric("pushsvc_malformed_inputs_total", source="notification", reason="completion") == 2
+    # The well-formed PUSH_REG from the wrong agent: P blocks for that id cause no WRITE.
+    pw.call("ready", request_id="victim-req", block_ids=[[0, 1]])
+    event = pw.wait("victim-req")
+    assert event["type"] == "SendFailed" and "sender_mismatch" in event["reason"]
+    assert P.metric("pushsvc_transfers_total", result="done") == 1
+    # The daemon serves real requests as before.
+    _recv(dw, P, "after", [3])
+    pw.call("ready", request_id="after", block_ids=[[4]])
+    assert dw.wait("after")["type"] == "RecvDone"
+    assert P.get("/healthz")[0] == 200

@@ -1,0 +1,339 @@
+"""P/D push through two in-process daemons over the fake engine.
+
+Real worker sockets, side channel and memfd memory; only NIXL is replaced. Every
+scenario ends with both daemons' tables back at zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import numpy as np
+import pytest
+from daemon_fixtures import (
+    WAIT_S,
+    PushPair,
+    assert_tables_empty,
+    expected_after_push,
+    free_tcp_port,
+    metric,
+    push_pair,
+    wait_until,
+)
+
+from pushsvc.protocol import worker as wp
+
+P_ID = "cmpl-a-0-22222222"  # P's id for the request
+D_ID = "cmpl-a-0-11111111"  # D's id for the same request: same base, other suffix
+
+
+def tables(pair: PushPair, side: str) -> dict[str, int]:
+    return (pair.p if side == "p" else pair.d).info()["tables"]
+
+
+async def registered_at_p(pair: PushPair, count: int = 1) -> None:
+    await wait_until(lambda: tables(pair, "p")["p_registrations"] == count, "the PUSH_REG to reach P")
+
+
+async def push_ok(pair: PushPair, p_id: str, p_ids: list[int], d_id: str, d_ids: list[int]) -> None:
+    await pair.pw.wait_for(wp.SendDone, p_id)
+    await pair.dw.wait_for(wp.RecvDone, d_id)
+    assert np.array_equal(pair.dw.snapshot(), expected_after_push(pair.pw, pair.dw, p_ids, d_ids))
+    assert np.array_equal(pair.pw.snapshot(), pair.pw.initial), "P's own KV must not change"
+
+
+# ---------------------------------------------------------------- happy paths
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("order", ["registration_first", "blocks_first"])
+async def test_push_lands_at_mapped_blocks_only(order: str) -> None:
+    async with push_pair() as pair:
+        p_ids, d_ids = [1, 2, 5], [3, 9, 14]
+        if order == "registration_first":
+            pair.register_recv(D_ID, d_ids)
+            await registered_at_p(pair)
+            await pair.dw.quiet_for(0.05)
+            pair.send_ready(P_ID, p_ids)
+        else:
+            pair.send_ready(P_ID, p_ids)
+            await wait_until(lambda: tables(pair, "p")["p_staged"] == 1, "P to stage its blocks")
+            await pair.pw.quiet_for(0.05)
+            pair.register_recv(D_ID, d_ids)
+        await push_ok(pair, P_ID, p_ids, D_ID, d_ids)
+        assert metric(pair.p, "pushsvc_transfers_total", result="done") == 1
+        assert metric(pair.p, "pushsvc_transfer_bytes_total") == 2 * 3 * pair.pw.block_len
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_prefix_hit_on_d_writes_p_tail() -> None:
+    """D already holds the prefix: it asks for fewer blocks and gets P's last ones."""
+    async with push_pair() as pair:
+        p_ids, d_ids = [0, 1, 2, 3], [10, 11]
+        pair.register_recv(D_ID, d_ids)
+        pair.send_ready(P_ID, p_ids)
+        await push_ok(pair, P_ID, p_ids, D_ID, d_ids)
+        d = pair.dw.snapshot()
+        assert np.array_equal(pair.dw.block(d, 0, 10), pair.pw.block(pair.pw.initial, 0, 2))
+        assert np.array_equal(pair.dw.block(d, 1, 11), pair.pw.block(pair.pw.initial, 1, 3))
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_exact_id_match_and_base_id_match_are_independent() -> None:
+    """Two requests in flight at once: one with identical ids, one matched by base id."""
+    async with push_pair() as pair:
+        pair.register_recv("cmpl-b-0-aaaaaaaa", [0, 1])
+        pair.register_recv(D_ID, [4, 5])
+        await registered_at_p(pair, 2)
+        pair.send_ready(P_ID, [6, 7])
+        pair.send_ready("cmpl-b-0-aaaaaaaa", [2, 3])
+        await pair.dw.wait_for(wp.RecvDone, D_ID)
+        await pair.dw.wait_for(wp.RecvDone, "cmpl-b-0-aaaaaaaa")
+        await pair.pw.wait_for(wp.SendDone, P_ID)
+        await pair.pw.wait_for(wp.SendDone, "cmpl-b-0-aaaaaaaa")
+        expected = expected_after_push(pair.pw, pair.dw, [6, 7], [4, 5])
+        pair.dw.initial = expected
+        expected = expected_after_push(pair.pw, pair.dw, [2, 3], [0, 1])
+        assert np.array_equal(pair.dw.snapshot(), expected)
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_duplicate_registration_from_worker_is_ignored() -> None:
+    async with push_pair() as pair:
+        pair.register_recv(D_ID, [3, 4])
+        pair.register_recv(D_ID, [3, 4])
+        await wait_until(lambda: metric(pair.d, "pushsvc_duplicates_total", kind="registration") == 1,
+                         "the duplicate to be counted")
+        await registered_at_p(pair)
+        pair.send_ready(P_ID, [0, 1])
+        await push_ok(pair, P_ID, [0, 1], D_ID, [3, 4])
+        await pair.dw.quiet_for(0.1)  # exactly one RecvDone, no failure for the duplicate
+        assert metric(pair.d, "pushsvc_duplicates_total", kind="registration") == 1
+        await assert_tables_empty(pair.p, pair.d)
+
+
+# ---------------------------------------------------------------- rejected input
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("block_ids", "words"),
+    [([3, 16], "outside"), ([2, 2], "twice")],
+    ids=["out_of_range", "duplicated"],
+)
+async def test_bad_block_ids_in_d_registration_fail_at_once(block_ids: list[int], words: str) -> None:
+    async with push_pair(d_blocks=16) as pair:
+        pair.register_recv(D_ID, block_ids)
+        failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+        assert words in failed.reason
+        assert failed.block_ids == block_ids
+        assert metric(pair.d, "pushsvc_malformed_inputs_total", source="worker", reason="registration") == 1
+        assert metric(pair.d, "pushsvc_handshakes_total", result="dialed") == 0, "nothing reached P"
+        assert np.array_equal(pair.dw.snapshot(), pair.dw.initial)
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("block_ids", "words"),
+    [([0, 8], "outside"), ([1, 1], "twice")],
+    ids=["out_of_range", "duplicated"],
+)
+async def test_invalid_p_blocks_fail_the_send(block_ids: list[int], words: str) -> None:
+    async with push_pair(p_blocks=8) as pair:
+        pair.send_ready(P_ID, block_ids)
+        failed = await pair.pw.wait_for(wp.SendFailed, P_ID)
+        assert words in failed.reason
+        assert metric(pair.p, "pushsvc_malformed_inputs_total", source="worker", reason="finished_blocks") == 1
+        await assert_tables_empty(pair.p, pair.d)
+
+
+# ---------------------------------------------------------------- timers
+
+
+@pytest.mark.asyncio
+async def test_p_lease_expires_without_registration() -> None:
+    async with push_pair(p_config={"lease_s": 0.2}) as pair:
+        pair.send_ready(P_ID, [0, 1])
+        failed = await pair.pw.wait_for(wp.SendFailed, P_ID)
+        assert "lease" in failed.reason
+        assert metric(pair.p, "pushsvc_leases_expired_total") == 1
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_d_watchdog_fails_an_unserved_registration() -> None:
+    # P's copy of the registration outlives nothing here: its TTL matches D's watchdog.
+    async with push_pair(d_config={"watchdog_s": 0.3}, p_config={"registration_ttl_s": 0.3}) as pair:
+        pair.register_recv(D_ID, [3, 4])
+        await registered_at_p(pair)
+        failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+        assert "watchdog" in failed.reason
+        assert failed.block_ids == [3, 4]
+        assert metric(pair.d, "pushsvc_watchdog_expired_total") == 1
+        await assert_tables_empty(pair.p, pair.d)
+
+
+# ---------------------------------------------------------------- failures reported promptly to D
+
+
+@pytest.mark.asyncio
+async def test_write_submission_failure_fails_both_sides_promptly() -> None:
+    async with push_pair() as pair:  # D's watchdog is LONG_S: only PushFailed can explain a quick failure
+        pair.fake.fail_next_write = 1
+        pair.register_recv(D_ID, [3, 4])
+        await registered_at_p(pair)
+        pair.send_ready(P_ID, [0, 1])
+        p_failed = await pair.pw.wait_for(wp.SendFailed, P_ID)
+        d_failed = await pair.dw.wait_for(wp.RecvFailed, D_ID, timeout=WAIT_S)
+        assert "write_submit_failed" in p_failed.reason
+        assert "write_submit_failed" in d_failed.reason
+        assert d_failed.block_ids == [3, 4]
+        assert metric(pair.d, "pushsvc_watchdog_expired_total") == 0
+        assert np.array_equal(pair.dw.snapshot(), pair.dw.initial)
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_incompatible_layouts_fail_d_promptly() -> None:
+    async with push_pair(p_block_len=64, d_block_len=128) as pair:
+        pair.register_recv(D_ID, [3, 4])
+        pair.send_ready(P_ID, [0, 1])
+        d_failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+        p_failed = await pair.pw.wait_for(wp.SendFailed, P_ID)
+        assert "layout" in d_failed.reason and "block length" in d_failed.reason
+        assert "layout" in p_failed.reason
+        assert np.array_equal(pair.dw.snapshot(), pair.dw.initial)
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_handshake_failure_fails_the_registration() -> None:
+    async with push_pair() as pair:
+        pair.register_recv(D_ID, [3, 4], remote_port=free_tcp_port())
+        failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+        assert "handshake" in failed.reason
+        assert metric(pair.d, "pushsvc_handshakes_total", result="failed") == 1
+        await assert_tables_empty(pair.p, pair.d)
+
+
+# ---------------------------------------------------------------- evict
+
+
+@pytest.mark.asyncio
+async def test_evict_of_a_registration_still_handshaking() -> None:
+    """D evicts while the handshake is outstanding: no event for it ever reaches the
+    worker, not even when the handshake later fails."""
+    silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # accepts (backlog), never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        async with push_pair(d_config={"handshake_timeout_s": 1.0}) as pair:
+            pair.register_recv(D_ID, [3, 4], remote_port=silent.getsockname()[1])
+            await wait_until(lambda: tables(pair, "d")["d_pending"] == 1, "D to track the registration")
+            pair.dw.send(wp.Evict(request_ids=[D_ID]))
+            await wait_until(lambda: tables(pair, "d")["d_pending"] == 0, "the evict")
+            await wait_until(lambda: metric(pair.d, "pushsvc_handshakes_total", result="failed") == 1,
+                             "the handshake to time out")
+            await pair.dw.quiet_for(0.1)
+            await assert_tables_empty(pair.p, pair.d)
+    finally:
+        silent.close()
+
+
+@pytest.mark.asyncio
+async def test_evict_of_staged_p_blocks() -> None:
+    async with push_pair() as pair:
+        pair.send_ready(P_ID, [0, 1])
+        await wait_until(lambda: tables(pair, "p")["p_staged"] == 1, "P to stage its blocks")
+        pair.pw.send(wp.Evict(request_ids=[P_ID]))
+        await assert_tables_empty(pair.p, pair.d)
+        await pair.pw.quiet_for(0.1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="BUG: D drops an evicted SENT registration without telling P; "
+                                       "P still WRITEs into D blocks the worker has freed")
+async def test_evicted_registration_is_never_written() -> None:
+    async with push_pair() as pair:
+        pair.register_recv(D_ID, [3, 4])
+        await registered_at_p(pair)
+        pair.dw.send(wp.Evict(request_ids=[D_ID]))
+        await wait_until(lambda: tables(pair, "d")["d_pending"] == 0, "the evict")
+        # D's worker has now freed blocks 3 and 4; P's prefill finishes afterwards.
+        pair.send_ready(P_ID, [0, 1])
+        await pair.pw.wait_for((wp.SendDone, wp.SendFailed), P_ID)
+        assert np.array_equal(pair.dw.snapshot(), pair.dw.initial), "P wrote into evicted D blocks"
+
+
+# ---------------------------------------------------------------- WRITEs in flight
+
+
+@pytest.mark.asyncio
+async def test_held_write_outlives_the_lease_and_settles_done() -> None:
+    async with push_pair(p_config={"lease_s": 0.2}) as pair:
+        pair.fake.hold_writes = True
+        pair.register_recv(D_ID, [3, 4])
+        await registered_at_p(pair)
+        pair.send_ready(P_ID, [0, 1])
+        await wait_until(lambda: tables(pair, "p")["inflight"] == 1, "the WRITE to be posted")
+        await pair.pw.quiet_for(0.5)  # well past the 0.2 s lease: a posted WRITE is not reaped
+        assert tables(pair, "p")["inflight"] == 1
+        assert metric(pair.p, "pushsvc_leases_expired_total") == 0
+        pair.fake.complete_held()
+        await push_ok(pair, P_ID, [0, 1], D_ID, [3, 4])
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_held_write_that_errors_fails_both_sides() -> None:
+    async with push_pair(p_config={"lease_s": 0.2}) as pair:
+        pair.fake.hold_writes = True
+        pair.register_recv(D_ID, [3, 4])
+        await registered_at_p(pair)
+        pair.send_ready(P_ID, [0, 1])
+        await wait_until(lambda: tables(pair, "p")["inflight"] == 1, "the WRITE to be posted")
+        await pair.pw.quiet_for(0.3)
+        pair.fake.complete_held(error=True)
+        p_failed = await pair.pw.wait_for(wp.SendFailed, P_ID)
+        d_failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+        assert "write_failed" in p_failed.reason
+        assert "write_failed" in d_failed.reason
+        assert metric(pair.d, "pushsvc_watchdog_expired_total") == 0
+        await assert_tables_empty(pair.p, pair.d)
+
+
+# ---------------------------------------------------------------- peers and hostile input
+
+
+@pytest.mark.asyncio
+async def test_peer_shutdown_fails_sent_registrations() -> None:
+    async with push_pair() as pair:
+        pair.register_recv(D_ID, [3, 4])
+        await registered_at_p(pair)
+        await pair.p.shutdown()
+        failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+        assert "peer_lost" in failed.reason
+        assert failed.block_ids == [3, 4]
+        assert metric(pair.d, "pushsvc_watchdog_expired_total") == 0
+        await assert_tables_empty(pair.p, pair.d)
+        assert pair.d.info()["peers"] == []
+
+
+@pytest.mark.asyncio
+async def test_malformed_push_reg_is_counted_and_daemon_keeps_serving() -> None:
+    async with push_pair() as pair:
+        agent = pair.fake.agents[pair.p_agent]
+        agent.inbox[pair.d_agent].append(b"PUSH_REG:garbage")
+        await wait_until(
+            lambda: metric(pair.p, "pushsvc_malformed_inputs_total", source="notification", reason="push_reg") == 1,
+            "the malformed PUSH_REG to be counted")
+        await pair.pw.ping(7)
+        pair.register_recv(D_ID, [3, 4])
+        pair.send_ready(P_ID, [0, 1])
+        await push_ok(pair, P_ID, [0, 1], D_ID, [3, 4])
+        await assert_tables_empty(pair.p, pair.d)
