@@ -36,6 +36,7 @@ class DaemonClient:
         self._frames = FrameBuffer(max_frame)
         self._out = bytearray()
         self._backlog: list[wp.DaemonMessage] = []
+        self._eof: BaseException | None = None  # the connection ended; raised after queued events
 
     # ------------------------------------------------------------------ setup (blocking)
 
@@ -54,7 +55,13 @@ class DaemonClient:
         self._sock = sock
         self._frames = FrameBuffer(self._max_frame)
         self._out.clear()
-        welcome = self._wait_for(wp.Welcome)
+        self._backlog.clear()
+        self._eof = None
+        try:
+            welcome = self._wait_for(wp.Welcome)
+        except BaseException:
+            self.close()
+            raise
         self.welcome = welcome
         return welcome
 
@@ -88,22 +95,34 @@ class DaemonClient:
         self._flush()
 
     def poll(self) -> list[wp.DaemonMessage]:
-        """Every event that arrived since the last call (an empty list if none)."""
-        sock = self._require()
-        if self._out:
-            self._flush()
+        """Every event that arrived since the last call (an empty list if none).
+
+        When the daemon goes away, the events it sent before are returned first; the
+        next call raises ``DaemonUnavailable``.
+        """
         events: list[wp.DaemonMessage] = []
         if self._backlog:
             events, self._backlog = self._backlog, events
+        if self._eof is not None:
+            if events:
+                return events
+            self._lost(self._eof)
+        sock = self._require()
+        if self._out:
+            self._flush()
         while True:
             try:
                 data = sock.recv(_RECV_BYTES)
             except (BlockingIOError, InterruptedError):
                 return events
             except OSError as exc:
-                self._lost(exc)
+                data, self._eof = b"", exc
             if not data:
-                self._lost(None)
+                self._eof = self._eof or ConnectionError("daemon closed the connection")
+                self.close()
+                if events:
+                    return events
+                self._lost(self._eof)
             try:
                 for payload in self._frames.feed(data):
                     events.append(wp.daemon_decoder.decode(payload))
@@ -124,6 +143,7 @@ class DaemonClient:
 
     def _lost(self, exc: BaseException | None):
         self.close()
+        self._eof = None
         raise DaemonUnavailable(f"connection to daemon lost{': ' + str(exc) if exc else ''}")
 
     def _flush(self) -> None:

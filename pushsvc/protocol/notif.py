@@ -17,9 +17,11 @@ from typing import Annotated
 import msgspec
 
 from pushsvc.errors import ProtocolError
-from pushsvc.protocol.worker import BlockIds, Name, Port
+from pushsvc.protocol.worker import BlockIds, Name, Port, RequestId
 
 PUSH_REG_PREFIX = b"PUSH_REG:"
+# A request id is at most 256 characters, so at most 1024 UTF-8 bytes, plus ":<tp>".
+_MAX_COMPLETION_BYTES = 4 * 256 + 8
 MAX_NOTIF_BYTES = 4 << 20
 
 _TP = Annotated[int, msgspec.Meta(ge=1, le=1024)]
@@ -28,7 +30,7 @@ _TP = Annotated[int, msgspec.Meta(ge=1, le=1024)]
 class PushReg(msgspec.Struct, forbid_unknown_fields=True):
     """The seed's PUSH_REG fields. New fields go at the end with defaults."""
 
-    request_id: Name
+    request_id: RequestId
     decode_engine_id: Name
     decode_host: Name
     decode_port: Port
@@ -72,7 +74,7 @@ def encode_completion(request_id: str, tp_size: int) -> bytes:
 
 def decode_completion(payload: bytes) -> tuple[str, int]:
     """Split ``<request_id>:<tp_size>``; the id itself may contain colons."""
-    if len(payload) > 1024:
+    if len(payload) > _MAX_COMPLETION_BYTES:
         raise ProtocolError("completion notification too long")
     try:
         text = payload.decode("utf-8")

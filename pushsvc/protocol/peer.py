@@ -4,7 +4,9 @@ A session opens with the preamble (``PSVP`` + version), then each side sends one
 ``PeerHello`` describing its daemon and every local NIXL agent: agent metadata and the
 KV layout a remote needs to address blocks. Afterwards either side may send
 ``AgentsUpdate`` (a worker registered KV later), ``PushFailed`` (P cannot WRITE a
-registration: D fails the request at once) and ``Heartbeat`` (liveness).
+registration: D fails the request at once), ``CancelPush``/``PushCancelled`` (D
+withdraws a registration and learns when its blocks are safe to reuse) and
+``Heartbeat`` (liveness).
 """
 
 from __future__ import annotations
@@ -68,6 +70,22 @@ class PushFailed(msgspec.Struct, tag="push_failed", **_opts):
     reason: Text
 
 
+class CancelPush(msgspec.Struct, tag="cancel", **_opts):
+    """D withdrew registration ``request_id`` (the request was aborted). P drops it,
+    or, if a WRITE into D's blocks is in flight, lets it settle first; then it answers
+    ``PushCancelled``. Until then D keeps the blocks out of reuse."""
+
+    request_id: Name
+    rank: U32
+
+
+class PushCancelled(msgspec.Struct, tag="cancelled", **_opts):
+    """P will write nothing more into the blocks of ``request_id``."""
+
+    request_id: Name
+    rank: U32
+
+
 class Heartbeat(msgspec.Struct, tag="hb", **_opts):
     seq: U64 = 0
 
@@ -76,7 +94,7 @@ class Goodbye(msgspec.Struct, tag="bye", **_opts):
     reason: Text = ""
 
 
-PeerMessage = Union[PeerHello, AgentsUpdate, PushFailed, Heartbeat, Goodbye]
+PeerMessage = Union[PeerHello, AgentsUpdate, PushFailed, CancelPush, PushCancelled, Heartbeat, Goodbye]
 
 _encoder = msgspec.msgpack.Encoder()
 peer_decoder = msgspec.msgpack.Decoder(PeerMessage)

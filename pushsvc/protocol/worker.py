@@ -16,6 +16,7 @@ U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 BlockIds = Annotated[list[Annotated[list[U32], msgspec.Meta(max_length=1 << 20)]], msgspec.Meta(max_length=64)]
 
@@ -96,7 +97,7 @@ class RegisterKV(msgspec.Struct, tag="register_kv", **_opts):
 class RegisterRecv(msgspec.Struct, tag="register_recv", **_opts):
     """D side: a request whose KV P must push into ``local_block_ids`` (logical ids)."""
 
-    request_id: Name
+    request_id: RequestId
     local_block_ids: BlockIds
     remote_engine_id: Name
     remote_host: Name
@@ -107,14 +108,14 @@ class RegisterRecv(msgspec.Struct, tag="register_recv", **_opts):
 class SendReady(msgspec.Struct, tag="send_ready", **_opts):
     """P side: prefill of ``request_id`` is done; its KV lives in ``block_ids``."""
 
-    request_id: Name
+    request_id: RequestId
     block_ids: BlockIds
 
 
 class Evict(msgspec.Struct, tag="evict", **_opts):
     """Drop all daemon state of these requests (aborted, lease reaped by the scheduler)."""
 
-    request_ids: Annotated[list[Name], msgspec.Meta(max_length=65536)]
+    request_ids: Annotated[list[RequestId], msgspec.Meta(max_length=65536)]
 
 
 class Ping(msgspec.Struct, tag="ping", **_opts):

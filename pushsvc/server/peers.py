@@ -86,6 +86,8 @@ class PeerEvents:
     def peer_up(self, peer: Peer, new_agents: list[pp.AgentInfo]) -> None: ...
     def peer_down(self, peer: Peer) -> None: ...
     def push_failed(self, peer: Peer, msg: pp.PushFailed) -> None: ...
+    def cancel_push(self, peer: Peer, msg: pp.CancelPush) -> None: ...
+    def push_cancelled(self, peer: Peer, msg: pp.PushCancelled) -> None: ...
 
 
 class PeerManager:
@@ -283,6 +285,12 @@ class PeerManager:
     def _add_agents(self, peer: Peer, agents: list[pp.AgentInfo]) -> None:
         new = [a for a in agents if peer.agents.get(a.agent_name) != a]
         for a in new:
+            # A new agent for a rank replaces the old one (its worker restarted): no
+            # registration or WRITE may go to the old agent's memory any more.
+            for name in [n for n, old in peer.agents.items() if old.rank == a.rank and n != a.agent_name]:
+                del peer.agents[name]
+                if self._by_agent.get(name) is peer:
+                    del self._by_agent[name]
             peer.agents[a.agent_name] = a
             self._by_agent[a.agent_name] = peer
         self._events.peer_up(peer, new)
@@ -298,6 +306,10 @@ class PeerManager:
                     continue
                 if isinstance(msg, pp.PushFailed):
                     self._events.push_failed(peer, msg)
+                elif isinstance(msg, pp.CancelPush):
+                    self._events.cancel_push(peer, msg)
+                elif isinstance(msg, pp.PushCancelled):
+                    self._events.push_cancelled(peer, msg)
                 elif isinstance(msg, pp.AgentsUpdate):
                     self._add_agents(peer, msg.agents)
                 elif isinstance(msg, pp.Goodbye):

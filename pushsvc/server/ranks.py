@@ -23,6 +23,7 @@ class Inflight:
     remote_agent: str
     nbytes: int
     posted_at: float
+    cancelled: bool = False  # D withdrew the registration: acknowledge once settled
 
 
 @dataclass

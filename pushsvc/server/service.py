@@ -2,9 +2,10 @@
 WRITEs, notifications and worker events out.
 
 Everything here runs on the daemon's one event loop. Decisions live in the pure tables
-(``state/``); this module does the I/O they ask for. Only two things ever wait: the
-handshake with a peer daemon (its own task, so no other request waits behind it) and
-WRITE completion (polled by the progress loop).
+(``state/``); this module and its two halves, ``send`` (P) and ``recv`` (D), do the
+I/O they ask for. Only two things ever wait: the handshake with a peer daemon (its own
+task, so no other request waits behind it) and WRITE completion (polled by the
+progress loop, ``progress``).
 """
 
 from __future__ import annotations
@@ -17,24 +18,26 @@ import structlog
 
 from pushsvc.config import Config
 from pushsvc.engine.base import Engine, XferState
-from pushsvc.errors import HandshakeError, LayoutError, ProtocolError, TransferError
+from pushsvc.errors import LayoutError, ProtocolError, TransferError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
 from pushsvc.server.peers import Peer, PeerEvents, PeerManager
-from pushsvc.server.ranks import Inflight, LocalRank, layout_from_regions, layout_of_agent
+from pushsvc.server.ranks import LocalRank, layout_from_regions, layout_of_agent
+from pushsvc.server.recv import ReceiveSide
+from pushsvc.server.send import SendSide
 from pushsvc.shm import SharedBuffer
-from pushsvc.state.consumer import CompletionOutcome, ConsumerTable, PendingRecv, RecvState, Remote
-from pushsvc.state.layout import Layout, check_block_ids, check_compatible, descriptor_table, plan_write
-from pushsvc.state.producer import Match, ProducerTable, RegOutcome, StageOutcome
+from pushsvc.state.consumer import ConsumerTable, RecvState
+from pushsvc.state.layout import descriptor_table
+from pushsvc.state.producer import ProducerTable
 
 log = structlog.get_logger("pushsvc.service")
 
 _EXPIRY_PERIOD_S = 0.05
 
 
-class PushService(PeerEvents):
+class PushService(SendSide, ReceiveSide, PeerEvents):
     def __init__(self, config: Config, engine: Engine, metrics: Metrics, daemon_id: str | None = None) -> None:
         self.config = config
         self.engine = engine
@@ -54,6 +57,8 @@ class PushService(PeerEvents):
             peer_timeout_s=config.peer_timeout_s,
         )
         self._tasks: set[asyncio.Task] = set()
+        self._retiring: list[LocalRank] = []  # replaced ranks whose WRITEs are settling
+        self._generation = 0
         self._next_expiry = 0.0
         self.wake = lambda: None  # set by the progress loop
 
@@ -66,11 +71,15 @@ class PushService(PeerEvents):
         rank = self.ranks.get(hello.rank)
         if rank is not None and rank.conn is not None and rank.conn is not conn:
             raise ProtocolError(f"rank {hello.rank} already has a connected worker")
-        if rank is not None and (rank.tp_size != hello.tp_size or rank.role != hello.role):
-            self._drop_rank(rank, "worker re-registered with another shape")
+        if rank is not None and (rank.conn is None or rank.tp_size != hello.tp_size or rank.role != hello.role):
+            # A new worker process for this rank: its KV lives in new memory, so the
+            # rank gets a fresh agent under a new name and the old one retires once
+            # its WRITEs settle. Peers replace the old agent when they hear of the new.
+            self._retire_rank(rank, "worker replaced")
             rank = None
         if rank is None:
-            name = f"{self.config.engine_id}/r{hello.rank}/{self.daemon_id[:8]}"
+            self._generation += 1
+            name = f"{self.config.engine_id}/r{hello.rank}/{self.daemon_id[:8]}.{self._generation}"
             rank = LocalRank(
                 engine_id=hello.engine_id,
                 rank=hello.rank,
@@ -78,7 +87,7 @@ class PushService(PeerEvents):
                 role=hello.role,
                 agent=self.engine.create_agent(name),
                 producer=ProducerTable(self.config.lease_s, self.config.registration_ttl_s),
-                consumer=ConsumerTable(self.config.watchdog_s, hello.tp_size),
+                consumer=ConsumerTable(self.config.watchdog_s, hello.tp_size, self.config.peer_timeout_s),
             )
             self.ranks[hello.rank] = rank
             self.metrics.agents.set(len(self.ranks))
@@ -92,15 +101,20 @@ class PushService(PeerEvents):
         )
 
     def detach_worker(self, conn: Any) -> None:
-        """The worker went away. Its rank, agent and memory stay (the mapping keeps the
-        pages alive); requests it cannot hear about any more are dropped."""
+        """The worker went away. Its rank, agent and memory stay until a new worker
+        takes the rank (the daemon's mapping keeps the pages alive, so a late WRITE
+        lands harmlessly); requests nobody can hear about any more are dropped, and P
+        is asked to stop pushing the ones it knows."""
         for rank in self.ranks.values():
             if rank.conn is conn:
                 rank.conn = None
                 for rid in list(rank.consumer.pending):
-                    rank.consumer.evict(rid)
+                    self._cancel_recv(rank, rid)
+                    rank.consumer.fail(rid)
                 for rid in list(rank.producer.staged):
                     rank.producer.evict(rid)
+                rank.registered_at.clear()
+                rank.staged_at.clear()
                 self._update_gauges()
 
     def register_kv(self, rank: LocalRank, msg: wp.RegisterKV, fds: list[int]) -> wp.KVRegistered:
@@ -156,266 +170,6 @@ class PushService(PeerEvents):
         self._update_gauges()
         self.wake()
 
-    # ---------------------------------------------------------------- D: receive
-
-    def _on_register_recv(self, rank: LocalRank, msg: wp.RegisterRecv) -> None:
-        rid = msg.request_id
-        bound = structlog.get_logger("pushsvc.recv").bind(request_id=rid, rank=rank.rank, peer=msg.remote_engine_id)
-        reason = ""
-        if rank.layout is None:
-            reason = "no KV memory registered for this rank"
-        elif msg.remote_tp_size != rank.tp_size:
-            reason = f"P TP {msg.remote_tp_size} != D TP {rank.tp_size} is not supported"
-        else:
-            try:
-                check_block_ids(rank.layout, msg.local_block_ids, "registration")
-            except LayoutError as exc:
-                reason = str(exc)
-        if reason:
-            self.metrics.malformed.labels("worker", "registration").inc()
-            bound.warning("recv_rejected", phase="register", error=reason)
-            self._tell(rank, wp.RecvFailed(request_id=rid, block_ids=_flat(msg.local_block_ids), reason=reason))
-            return
-        remote = Remote(msg.remote_engine_id, msg.remote_host, msg.remote_port, msg.remote_tp_size)
-        now = asyncio.get_running_loop().time()
-        entry = rank.consumer.add(rid, msg.local_block_ids, remote, now)
-        if entry is None:
-            self.metrics.duplicates.labels("registration").inc()
-            return
-        rank.registered_at[rid] = now
-        peer = self.peers.find_engine(remote.engine_id)
-        if peer is not None and self._send_push_reg(rank, entry, peer):
-            return
-        self._spawn(self._register_with_peer(rank, entry))
-
-    async def _register_with_peer(self, rank: LocalRank, entry: PendingRecv) -> None:
-        r = entry.remote
-        try:
-            peer = await self.peers.ensure(r.host, r.port, r.engine_id)
-        except HandshakeError as exc:
-            self._fail_recv(rank, entry.request_id, "handshake_failed", str(exc))
-            return
-        if rank.consumer.pending.get(entry.request_id) is entry:  # not evicted meanwhile
-            self._send_push_reg(rank, entry, peer)
-
-    def _send_push_reg(self, rank: LocalRank, entry: PendingRecv, peer: Peer) -> bool:
-        target = peer.agent_for_rank(rank.rank)
-        if target is None:
-            self._fail_recv(rank, entry.request_id, "handshake_failed", f"peer {peer.engine_id} has no rank {rank.rank}")
-            return True
-        reg = notif.PushReg(
-            request_id=entry.request_id,
-            decode_engine_id=self.config.engine_id,
-            decode_host=self.config.advertised_host,
-            decode_port=self.peers.port,
-            decode_tp_size=rank.tp_size,
-            local_block_ids=entry.block_ids,
-            remote_engine_id=entry.remote.engine_id,
-            remote_host=entry.remote.host,
-            remote_port=entry.remote.port,
-            remote_tp_size=entry.remote.tp_size,
-            decode_rank=rank.rank,
-            decode_daemon_id=self.daemon_id,
-        )
-        try:
-            rank.agent.send_notif(target.agent_name, notif.encode_push_reg(reg))
-        except TransferError as exc:
-            self._fail_recv(rank, entry.request_id, "push_reg_send_failed", str(exc))
-            return True
-        rank.consumer.mark_sent(entry.request_id)
-        self.wake()
-        return True
-
-    def _fail_recv(self, rank: LocalRank, rid: str, kind: str, reason: str) -> None:
-        entry = rank.consumer.fail(rid)
-        rank.registered_at.pop(rid, None)
-        if entry is None:
-            return
-        self.metrics.failures.labels(kind).inc()
-        log.warning("recv_failed", request_id=rid, rank=rank.rank, peer=entry.remote.engine_id, kind=kind, error=reason)
-        self._tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids, reason=f"{kind}: {reason}"))
-        self._update_gauges()
-
-    def _on_completion(self, rank: LocalRank, sender: str, payload: bytes) -> None:
-        try:
-            rid, _tp = notif.decode_completion(payload)
-        except ProtocolError as exc:
-            self._malformed("notification", "completion", sender, exc)
-            return
-        entry = rank.consumer.pending.get(rid)
-        peer = self.peers.find_agent(sender)
-        if entry is not None and (peer is None or peer.engine_id != entry.remote.engine_id):
-            self._malformed("notification", "foreign_completion", sender, ProtocolError("sender is not the registration's P"))
-            return
-        outcome, entry = rank.consumer.on_completion(rid)
-        if outcome is CompletionOutcome.UNKNOWN:
-            self.metrics.notifications.labels("late_completion").inc()
-            log.info("completion_ignored", request_id=rid, peer=sender, reason="unknown or late")
-            return
-        self.metrics.notifications.labels("completion").inc()
-        if outcome is CompletionOutcome.DONE:
-            started = rank.registered_at.pop(rid, None)
-            if started is not None:
-                self.metrics.recv_seconds.observe(asyncio.get_running_loop().time() - started)
-            self._tell(rank, wp.RecvDone(request_id=rid))
-
-    # ---------------------------------------------------------------- P: send
-
-    def _on_send_ready(self, rank: LocalRank, msg: wp.SendReady) -> None:
-        rid = msg.request_id
-        try:
-            if rank.layout is None:
-                raise LayoutError("no KV memory registered for this rank")
-            check_block_ids(rank.layout, msg.block_ids, "finished blocks")
-        except LayoutError as exc:
-            self.metrics.malformed.labels("worker", "finished_blocks").inc()
-            log.warning("send_rejected", request_id=rid, rank=rank.rank, error=str(exc))
-            self._tell(rank, wp.SendFailed(request_id=rid, reason=str(exc)))
-            return
-        now = asyncio.get_running_loop().time()
-        # A PUSH_REG may already be queued in the agent: read it before deciding.
-        self._drain_notifs(rank)
-        outcome, match = rank.producer.add_staged(rid, msg.block_ids, now)
-        if outcome is StageOutcome.DUPLICATE:
-            self.metrics.duplicates.labels("finished_blocks").inc()
-        elif outcome is StageOutcome.STASHED:
-            rank.staged_at[rid] = now
-        elif match is not None:
-            rank.staged_at[rid] = now
-            self._start_push(rank, match)
-
-    def _on_push_reg(self, rank: LocalRank, sender: str, payload: bytes) -> None:
-        try:
-            reg = notif.decode_push_reg(payload)
-        except ProtocolError as exc:
-            self._malformed("notification", "push_reg", sender, exc)
-            return
-        if reg.remote_engine_id != self.config.engine_id:
-            self._malformed("notification", "push_reg_wrong_engine", sender,
-                            ProtocolError(f"PUSH_REG for engine {reg.remote_engine_id}"))
-            return
-        known = self.peers.find_agent(sender)
-        if known is not None and (known.engine_id != reg.decode_engine_id or
-                                  (a := known.agents[sender]).rank != reg.decode_rank or a.tp_size != reg.decode_tp_size):
-            # A known agent registering for someone else's engine or rank: refusing it
-            # here keeps it from squatting on a request id the real D will use.
-            self._malformed("notification", "push_reg_sender_mismatch", sender,
-                            ProtocolError(f"agent of {known.engine_id} sent a PUSH_REG for {reg.decode_engine_id}"))
-            return
-        now = asyncio.get_running_loop().time()
-        outcome, match = rank.producer.add_registration(reg, sender, now)
-        self.metrics.notifications.labels("push_reg").inc()
-        if outcome is RegOutcome.DUPLICATE:
-            self.metrics.duplicates.labels("push_reg").inc()
-            log.info("push_reg_duplicate", request_id=reg.request_id, peer=sender)
-        elif match is not None:
-            self._start_push(rank, match)
-
-    def _start_push(self, rank: LocalRank, match: Match) -> None:
-        reg = match.registration.reg
-        peer = self.peers.find_agent(match.registration.sender) or self.peers.find_engine(reg.decode_engine_id)
-        if peer is not None:
-            self._write(rank, match, peer)
-        else:
-            self._spawn(self._push_after_handshake(rank, match))
-
-    async def _push_after_handshake(self, rank: LocalRank, match: Match) -> None:
-        reg = match.registration.reg
-        try:
-            peer = await self.peers.ensure(reg.decode_host, reg.decode_port, reg.decode_engine_id)
-        except HandshakeError as exc:
-            self._fail_push(rank, match, None, "handshake_failed", str(exc))
-            return
-        if rank.producer.writing.get(match.request_id) is match:
-            self._write(rank, match, peer)
-
-    def _write(self, rank: LocalRank, match: Match, peer: Peer) -> None:
-        reg = match.registration.reg
-        target = peer.agents.get(match.registration.sender)
-        if (peer.engine_id != reg.decode_engine_id or target is None or target.rank != reg.decode_rank
-                or target.tp_size != reg.decode_tp_size):
-            # Not D's own registration: D is not told (it may not even exist).
-            self._fail_push(rank, match, None, "sender_mismatch",
-                            f"PUSH_REG sender {match.registration.sender} is not {reg.decode_engine_id} "
-                            f"rank {reg.decode_rank}", notify_remote=False)
-            return
-        try:
-            remote_layout = self._remote_layout(rank, target)
-            plan = plan_write(rank.layout, remote_layout, match.block_ids, reg.local_block_ids)
-            handle, state = rank.agent.write(
-                rank.local_dlist, plan.src_indices, rank.remote_dlists[target.agent_name], plan.dst_indices,
-                notif.encode_completion(reg.request_id, rank.tp_size),
-            )
-        except LayoutError as exc:
-            self._fail_push(rank, match, peer, "layout_mismatch", str(exc))
-            return
-        except TransferError as exc:
-            self._fail_push(rank, match, peer, "write_submit_failed", str(exc))
-            return
-        now = asyncio.get_running_loop().time()
-        staged = rank.staged_at.get(match.request_id)
-        if staged is not None:
-            self.metrics.match_wait_seconds.observe(now - staged)
-        rank.inflight[match.request_id] = Inflight(match, handle, target.agent_name, plan.nbytes, now)
-        self.metrics.transfer_blocks.inc(plan.logical_blocks)
-        log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=plan.nbytes,
-                  descriptors=len(plan.src_indices))
-        if state is not XferState.PROC:
-            self._settle(rank, rank.inflight[match.request_id], state, now)
-        self.wake()
-
-    def _remote_layout(self, rank: LocalRank, target: pp.AgentInfo) -> Layout:
-        """The remote's layout, checked against ours and prepped once per remote agent."""
-        layout = layout_of_agent(target)
-        error = rank.remote_checked.get(target.agent_name)
-        if error is None:
-            try:
-                check_compatible(rank.layout, layout)
-                if target.agent_name not in rank.remote_dlists:
-                    raise LayoutError(f"agent {target.agent_name} was not loaded")
-                error = ""
-            except LayoutError as exc:
-                error = str(exc)
-            rank.remote_checked[target.agent_name] = error
-        if error:
-            raise LayoutError(error)
-        return layout
-
-    def _settle(self, rank: LocalRank, flight: Inflight, state: XferState, now: float) -> None:
-        rid = flight.match.request_id
-        del rank.inflight[rid]
-        try:
-            rank.agent.release(flight.handle)
-        except TransferError as exc:
-            log.warning("write_release_failed", request_id=rid, error=str(exc))
-        if state is XferState.DONE:
-            rank.producer.finish(rid)
-            rank.staged_at.pop(rid, None)
-            self.metrics.transfers.labels("done").inc()
-            self.metrics.transfer_bytes.inc(flight.nbytes)
-            self.metrics.transfer_seconds.observe(now - flight.posted_at)
-            self._tell(rank, wp.SendDone(request_id=rid))
-        else:
-            peer = self.peers.find_agent(flight.remote_agent)
-            self._fail_push(rank, flight.match, peer, "write_failed", "NIXL reported the WRITE failed")
-
-    def _fail_push(self, rank: LocalRank, match: Match, peer: Peer | None, kind: str, reason: str,
-                   notify_remote: bool = True) -> None:
-        """P cannot push: free P's lease now and tell D now (not at its watchdog)."""
-        rank.producer.finish(match.request_id)
-        rank.staged_at.pop(match.request_id, None)
-        self.metrics.transfers.labels("failed").inc()
-        self.metrics.failures.labels(kind).inc()
-        reg = match.registration.reg
-        log.warning("push_failed", request_id=match.request_id, remote_request_id=reg.request_id,
-                    peer=reg.decode_engine_id, kind=kind, error=reason)
-        self._tell(rank, wp.SendFailed(request_id=match.request_id, reason=f"{kind}: {reason}"))
-        self._update_gauges()
-        peer = peer or self.peers.find_engine(reg.decode_engine_id)
-        if notify_remote and peer is not None:
-            self.peers.send(peer, pp.PushFailed(request_id=reg.request_id, rank=reg.decode_rank,
-                                                reason=f"{kind}: {reason}"))
-
     # ================================================================ peer events
 
     def agent_infos(self) -> list[pp.AgentInfo]:
@@ -461,7 +215,7 @@ class PushService(PeerEvents):
         for rank in self.ranks.values():
             # D: registrations P will never serve now.
             for entry in rank.consumer.waiting_on(peer.engine_id):
-                if entry.state is RecvState.SENT:
+                if entry.state is not RecvState.PENDING:
                     self._fail_recv(rank, entry.request_id, "peer_lost", f"P daemon {peer.engine_id} went away")
             # P: registrations from agents that no longer exist.
             for reg in rank.producer.drop_registrations_from(names):
@@ -484,14 +238,6 @@ class PushService(PeerEvents):
         except TransferError as exc:
             log.warning("remote_agent_unload_failed", rank=rank.rank, agent=name, error=str(exc))
 
-    def push_failed(self, peer: Peer, msg: pp.PushFailed) -> None:
-        rank = self.ranks.get(msg.rank)
-        entry = rank.consumer.pending.get(msg.request_id) if rank else None
-        if rank is None or entry is None or entry.remote.engine_id != peer.engine_id:
-            self.metrics.malformed.labels("side_channel", "unknown_push_failed").inc()
-            return
-        self._fail_recv(rank, msg.request_id, "push_failed_remote", msg.reason)
-
     # ================================================================ progress
 
     def progress(self, now: float) -> bool:
@@ -506,6 +252,8 @@ class PushService(PeerEvents):
                         self._settle(rank, flight, state, now)
             if not rank.inflight:
                 self._unload_departed(rank)
+        if self._retiring:
+            self._poll_retiring(now)
         if now >= self._next_expiry:
             self._next_expiry = now + _EXPIRY_PERIOD_S
             self._expire(now)
@@ -543,10 +291,21 @@ class PushService(PeerEvents):
                     log.info("registration_expired", request_id=exp.request_id, peer=exp.sender)
             for entry in rank.consumer.expire(now):
                 changed = True
+                if entry.state is RecvState.CANCELLING and entry.request_id in rank.consumer.pending:
+                    # P has the registration: its blocks are reusable only once P
+                    # confirms (or its grace runs out), so ask before reporting.
+                    log.warning("watchdog_expired", request_id=entry.request_id, rank=rank.rank,
+                                peer=entry.remote.engine_id, phase="cancelling")
+                    self.metrics.watchdog_expired.inc()
+                    self._request_cancel(rank, entry)
+                    continue
                 rank.registered_at.pop(entry.request_id, None)
-                self.metrics.watchdog_expired.inc()
-                self.metrics.failures.labels("watchdog").inc()
-                log.warning("watchdog_expired", request_id=entry.request_id, rank=rank.rank, peer=entry.remote.engine_id)
+                kind = "cancel_unconfirmed" if entry.state is RecvState.CANCELLING else "watchdog"
+                if kind == "watchdog":
+                    self.metrics.watchdog_expired.inc()
+                self.metrics.failures.labels(kind).inc()
+                log.warning("watchdog_expired", request_id=entry.request_id, rank=rank.rank,
+                            peer=entry.remote.engine_id, phase=kind)
                 self._tell(rank, wp.RecvFailed(request_id=entry.request_id, block_ids=entry.flat_block_ids,
                                                reason=f"watchdog: no push within {self.config.watchdog_s}s"))
         if changed:
@@ -555,18 +314,44 @@ class PushService(PeerEvents):
     # ================================================================ misc
 
     def _evict(self, rank: LocalRank, rid: str) -> None:
-        evicted = rank.producer.evict(rid) | rank.consumer.evict(rid)
-        rank.staged_at.pop(rid, None)
-        rank.registered_at.pop(rid, None)
-        if evicted:
+        """Every request the daemon tracks ends in exactly one final event; eviction
+        produces it too, once the request's blocks are safe to reuse."""
+        if rank.producer.evict(rid):
+            rank.staged_at.pop(rid, None)
             log.info("evicted", request_id=rid, rank=rank.rank)
+            self._tell(rank, wp.SendFailed(request_id=rid, reason="cancelled"))
+        self._cancel_recv(rank, rid)
 
-    def _drop_rank(self, rank: LocalRank, reason: str) -> None:
-        log.warning("rank_dropped", rank=rank.rank, reason=reason)
+    def _retire_rank(self, rank: LocalRank, reason: str) -> None:
+        log.info("rank_retired", rank=rank.rank, agent=rank.agent.name, reason=reason, inflight=len(rank.inflight))
         self.ranks.pop(rank.rank, None)
+        rank.conn = None
+        self._retiring.append(rank)
+        self._poll_retiring(asyncio.get_running_loop().time())
+        self.metrics.agents.set(len(self.ranks))
+
+    def _poll_retiring(self, now: float) -> None:
+        for rank in list(self._retiring):
+            for flight in list(rank.inflight.values()):
+                state = rank.agent.state(flight.handle)
+                if state is not XferState.PROC:
+                    self._settle(rank, flight, state, now)
+            if not rank.inflight:
+                self._retiring.remove(rank)
+                self._close_rank(rank)
+
+    @staticmethod
+    def _close_rank(rank: LocalRank) -> None:
+        for flight in rank.inflight.values():
+            try:
+                rank.agent.release(flight.handle)
+            except TransferError:
+                pass
+        rank.inflight.clear()
+        rank.agent.close()
         for b in rank.buffers:
             b.close()
-        rank.agent.close()
+        rank.buffers.clear()
 
     def _tell(self, rank: LocalRank, msg: Any) -> None:
         if rank.conn is not None:
@@ -609,22 +394,10 @@ class PushService(PeerEvents):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for rank in list(self.ranks.values()):
-            for flight in list(rank.inflight.values()):
-                try:
-                    rank.agent.release(flight.handle)
-                except TransferError:
-                    pass
-            rank.inflight.clear()
-            rank.agent.close()
-            for b in rank.buffers:
-                b.close()
+        for rank in [*self.ranks.values(), *self._retiring]:
+            self._close_rank(rank)
         self.ranks.clear()
+        self._retiring.clear()
 
     def __repr__(self) -> str:
         return f"<PushService {self.config.engine_id} ranks={sorted(self.ranks)} {self.table_sizes()}>"
-
-
-def _flat(block_ids: list[list[int]]) -> list[int]:
-    return [b for g in block_ids for b in g]
-

@@ -20,7 +20,7 @@ import grp
 import os
 import socket
 import struct
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import structlog

@@ -3,7 +3,10 @@
 Pure state, ``now`` passed in. Life of a D request::
 
     add --> pending --mark_sent--> sent --completion x expected--> done (removed)
-                \\_____________ fail / watchdog expiry ___________/--> failed (removed)
+               |                    \\--evict--> cancelling --fail (P confirmed)--> removed
+               \\--evict--> removed (P never saw it)
+    sent --watchdog--> cancelling (reason "watchdog")
+    any other state --fail / watchdog expiry--> removed
 
 ``expected`` is how many completion notifications this rank must see: P ranks that
 write into it (P TP / D TP, at least 1).
@@ -18,6 +21,7 @@ from enum import Enum
 class RecvState(Enum):
     PENDING = "pending"  # waiting for the handshake with P
     SENT = "sent"  # PUSH_REG delivered to P's agent
+    CANCELLING = "cancelling"  # worker evicted it; waiting for P to confirm no WRITE lands
 
 
 @dataclass(slots=True)
@@ -37,6 +41,7 @@ class PendingRecv:
     expected: int
     seen: int = 0
     state: RecvState = RecvState.PENDING
+    reason: str = "cancelled"  # reported when a cancellation completes
 
     @property
     def flat_block_ids(self) -> list[int]:
@@ -47,12 +52,14 @@ class CompletionOutcome(Enum):
     DONE = "done"
     PARTIAL = "partial"
     UNKNOWN = "unknown"  # late, duplicate or foreign: counted, otherwise ignored
+    CANCELLED = "cancelled"  # the last WRITE of a cancelled registration landed
 
 
 @dataclass
 class ConsumerTable:
     watchdog_s: float
     local_tp_size: int = 1
+    cancel_grace_s: float = 5.0  # how long P has to confirm a cancellation
     pending: dict[str, PendingRecv] = field(default_factory=dict)
 
     def add(self, request_id: str, block_ids: list[list[int]], remote: Remote, now: float) -> PendingRecv | None:
@@ -66,32 +73,51 @@ class ConsumerTable:
 
     def mark_sent(self, request_id: str) -> bool:
         entry = self.pending.get(request_id)
-        if entry is None:
+        if entry is None or entry.state is not RecvState.PENDING:
             return False
         entry.state = RecvState.SENT
         return True
 
     def on_completion(self, request_id: str) -> tuple[CompletionOutcome, PendingRecv | None]:
         entry = self.pending.get(request_id)
-        if entry is None or entry.state is not RecvState.SENT:
+        if entry is None or entry.state is RecvState.PENDING:
             return CompletionOutcome.UNKNOWN, None
         entry.seen += 1
         if entry.seen < entry.expected:
             return CompletionOutcome.PARTIAL, entry
         del self.pending[request_id]
+        if entry.state is RecvState.CANCELLING:
+            return CompletionOutcome.CANCELLED, entry
         return CompletionOutcome.DONE, entry
 
     def fail(self, request_id: str) -> PendingRecv | None:
         return self.pending.pop(request_id, None)
 
-    def evict(self, request_id: str) -> bool:
-        return self.pending.pop(request_id, None) is not None
+    def evict(self, request_id: str) -> PendingRecv | None:
+        """Drop a registration P cannot have seen yet; a SENT one becomes CANCELLING
+        (P may be writing into its blocks) and stays until ``fail`` confirms it."""
+        entry = self.pending.get(request_id)
+        if entry is None or entry.state is RecvState.CANCELLING:
+            return None
+        if entry.state is RecvState.SENT:
+            entry.state = RecvState.CANCELLING
+            return entry
+        del self.pending[request_id]
+        return entry
 
     def expire(self, now: float) -> list[PendingRecv]:
-        gone = [e for e in self.pending.values() if e.deadline <= now]
-        for e in gone:
-            del self.pending[e.request_id]
-        return gone
+        """Overdue entries. A SENT one is not dropped but turned CANCELLING (P may be
+        writing into its blocks) with ``cancel_grace_s`` for P to confirm; the caller
+        tells P. Every other overdue entry is removed: it is final."""
+        overdue = [e for e in self.pending.values() if e.deadline <= now]
+        for e in overdue:
+            if e.state is RecvState.SENT:
+                e.state = RecvState.CANCELLING
+                e.reason = "watchdog"
+                e.deadline = now + self.cancel_grace_s
+            else:
+                del self.pending[e.request_id]
+        return overdue
 
     def waiting_on(self, engine_id: str) -> list[PendingRecv]:
         return [e for e in self.pending.values() if e.remote.engine_id == engine_id]
@@ -101,7 +127,7 @@ class ConsumerTable:
 
     @property
     def busy(self) -> bool:
-        return any(e.state is RecvState.SENT for e in self.pending.values())
+        return any(e.state is not RecvState.PENDING for e in self.pending.values())
 
     def sizes(self) -> dict[str, int]:
         return {"d_pending": len(self.pending)}

@@ -54,6 +54,7 @@ class RegOutcome(Enum):
     STASHED = "stashed"
     MATCHED = "matched"
     DUPLICATE = "duplicate"
+    CANCELLED = "cancelled"
 
 
 class StageOutcome(Enum):
@@ -105,12 +106,17 @@ class ProducerTable:
     writing: dict[str, Match] = field(default_factory=dict)  # by P's id
     _reg_index: _BaseIndex = field(default_factory=_BaseIndex)
     _staged_index: _BaseIndex = field(default_factory=_BaseIndex)
-    _writing_remote: set[str] = field(default_factory=set)  # D ids being written
+    _writing_remote: dict[str, str] = field(default_factory=dict)  # D id -> P id, while writing
+    # D ids whose registration D cancelled: a PUSH_REG still in flight behind the
+    # cancel must not be stashed and written later.
+    cancelled: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ inputs
 
     def add_registration(self, reg: PushReg, sender: str, now: float) -> tuple[RegOutcome, Match | None]:
         rid = reg.request_id
+        if rid in self.cancelled:
+            return RegOutcome.CANCELLED, None
         if rid in self.registrations or rid in self._writing_remote:
             return RegOutcome.DUPLICATE, None
         registration = Registration(reg, sender, now + self.registration_ttl_s)
@@ -136,8 +142,18 @@ class ProducerTable:
         """The WRITE for ``request_id`` settled (done or failed): forget it."""
         match = self.writing.pop(request_id, None)
         if match is not None:
-            self._writing_remote.discard(match.remote_request_id)
+            self._writing_remote.pop(match.remote_request_id, None)
         return match
+
+    def cancel_registration(self, remote_id: str, now: float) -> Match | None:
+        """D withdrew registration ``remote_id``. Returns the match if P is already
+        writing it (the caller settles that first); otherwise nothing will be written."""
+        self.cancelled[remote_id] = now + self.registration_ttl_s
+        if remote_id in self.registrations:
+            self._pop_registration(remote_id)
+            return None
+        local = self._writing_remote.get(remote_id)
+        return self.writing[local] if local is not None else None
 
     def evict(self, request_id: str) -> bool:
         """Drop staged blocks of a P request. A WRITE in flight is not evictable."""
@@ -161,6 +177,8 @@ class ProducerTable:
         for rid in [r for r, g in self.registrations.items() if g.expires_at <= now]:
             reg = self._pop_registration(rid)
             out.append(Expired(rid, "registration", reg.sender))
+        for rid in [r for r, t in self.cancelled.items() if t <= now]:
+            del self.cancelled[rid]
         return out
 
     # ------------------------------------------------------------------ views
@@ -190,7 +208,7 @@ class ProducerTable:
     def _start(self, staged: Staged, registration: Registration, now: float) -> Match:
         match = Match(staged.request_id, staged.block_ids, registration, now)
         self.writing[staged.request_id] = match
-        self._writing_remote.add(registration.reg.request_id)
+        self._writing_remote[registration.reg.request_id] = staged.request_id
         return match
 
     def _pop_staged(self, rid: str) -> Staged:

@@ -72,7 +72,7 @@ def test_mark_sent(table) -> None:
     assert table.mark_sent("r") is True
     assert entry.state is RecvState.SENT
     assert table.busy
-    assert table.mark_sent("r") is True  # idempotent
+    assert table.mark_sent("r") is False  # only a PENDING entry can be sent
     assert entry.state is RecvState.SENT
 
 
@@ -171,13 +171,42 @@ def test_fail_after_partial_completion() -> None:
     assert t.on_completion("r") == (CompletionOutcome.UNKNOWN, None)
 
 
-def test_evict(table) -> None:
-    table.add("r", [[1]], remote(), now=0.0)
+def test_evict_pending_removes_at_once(table) -> None:
+    r = table.add("r", [[1]], remote(), now=0.0)
     table.add("s", [[2]], remote(), now=0.0)
-    assert table.evict("r") is True
-    assert table.evict("r") is False
-    assert table.evict("unknown") is False
+    assert table.evict("r") is r
+    assert r.state is RecvState.PENDING  # P never saw it: the blocks are free now
+    assert table.evict("r") is None
+    assert table.evict("unknown") is None
     assert set(table.pending) == {"s"}
+
+
+def test_evict_sent_waits_for_p(table) -> None:
+    r = table.add("r", [[1]], remote(), now=0.0)
+    table.mark_sent("r")
+    assert table.evict("r") is r
+    assert r.state is RecvState.CANCELLING
+    assert "r" in table.pending  # P may still be writing into the blocks
+    assert table.busy
+    assert table.evict("r") is None  # already cancelling
+    assert table.mark_sent("r") is False
+    assert table.fail("r") is r  # P confirmed
+    assert table.pending == {}
+
+
+def test_completion_of_a_cancelling_registration_finishes_it(table) -> None:
+    r = table.add("r", [[1]], remote(), now=0.0)
+    table.mark_sent("r")
+    table.evict("r")
+    assert table.on_completion("r") == (CompletionOutcome.CANCELLED, r)
+    assert table.pending == {}
+
+
+def test_watchdog_expires_cancelling_entries(table) -> None:
+    r = table.add("r", [[1]], remote(), now=0.0)
+    table.mark_sent("r")
+    table.evict("r")
+    assert table.expire(WATCHDOG) == [r]
 
 
 # ---------------------------------------------------------------- watchdog
@@ -194,11 +223,18 @@ def test_watchdog_expires_at_exactly_the_deadline(table) -> None:
 
 
 @pytest.mark.parametrize("sent", [False, True])
-def test_watchdog_expires_pending_and_sent_alike(table, sent: bool) -> None:
+def test_watchdog_reports_pending_and_sent_but_keeps_sent_until_p_confirms(table, sent: bool) -> None:
     entry = table.add("r", [[1]], remote(), now=0.0)
     if sent:
         table.mark_sent("r")
     assert table.expire(WATCHDOG) == [entry]
+    if sent:
+        # P may be writing into the blocks: the entry waits, cancelling, for P.
+        assert entry.state is RecvState.CANCELLING and entry.reason == "watchdog"
+        assert table.pending == {"r": entry}
+        assert entry.deadline == WATCHDOG + table.cancel_grace_s
+        assert table.expire(entry.deadline) == [entry]  # P never answered: final
+    assert table.pending == {}
 
 
 def test_watchdog_expires_only_overdue_entries() -> None:
@@ -210,9 +246,11 @@ def test_watchdog_expires_only_overdue_entries() -> None:
     table.on_completion("b")  # partial: still overdue later
     gone = table.expire(15.0)
     assert sorted(gone, key=lambda e: e.request_id) == [a, b]
+    assert table.pending == {"b": b, "c": c}  # b is cancelling: P must confirm
+    assert b.state is RecvState.CANCELLING
+    assert table.on_completion("b") == (CompletionOutcome.CANCELLED, b)  # its last WRITE landed
     assert table.pending == {"c": c}
     assert table.next_deadline() == 30.0
-    assert table.on_completion("b") == (CompletionOutcome.UNKNOWN, None)
 
 
 # ---------------------------------------------------------------- views

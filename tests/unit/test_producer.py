@@ -620,7 +620,7 @@ class ProducerMachine(RuleBasedStateMachine):
                 by_base.setdefault(base_request_id(rid), []).append(rid)
             assert index._map == by_base
             assert len(index) == len(by_base)
-        assert t._writing_remote == {m.remote_request_id for m in t.writing.values()}
+        assert t._writing_remote == {m.remote_request_id: pid for pid, m in t.writing.items()}
 
     @invariant()
     def views_agree(self) -> None:
@@ -640,3 +640,33 @@ def test_producer_table_state_machine(push_reg) -> None:
         lambda: ProducerMachine(push_reg),
         settings=settings(max_examples=200, stateful_step_count=50, deadline=None),
     )
+
+
+# ---------------------------------------------------------------- cancellation
+
+
+def test_cancel_of_a_stashed_registration_drops_it_and_tombstones_the_id(push_reg) -> None:
+    t = ProducerTable(lease_s=10.0, registration_ttl_s=5.0)
+    t.add_registration(push_reg(request_id="d1"), "agent-d", now=0.0)
+    assert t.cancel_registration("d1", now=1.0) is None
+    assert t.registrations == {}
+    # A copy of the PUSH_REG that was still on the wire must not be stashed again.
+    assert t.add_registration(push_reg(request_id="d1"), "agent-d", now=1.5) == (RegOutcome.CANCELLED, None)
+    assert t.add_staged("d1", [[1]], now=2.0)[0] is StageOutcome.STASHED  # nothing to match
+    t.expire(6.0)  # tombstone gone after the registration TTL
+    assert "d1" not in t.cancelled
+
+
+def test_cancel_of_a_registration_being_written_returns_the_match(push_reg) -> None:
+    t = ProducerTable(lease_s=10.0, registration_ttl_s=5.0)
+    t.add_staged("p1", [[1]], now=0.0)
+    _, match = t.add_registration(push_reg(request_id="p1"), "agent-d", now=0.0)
+    assert t.cancel_registration("p1", now=1.0) is match
+    assert t.writing == {"p1": match}  # the caller settles the WRITE first
+    assert t.finish("p1") is match
+
+
+def test_cancel_of_an_unknown_registration_only_tombstones(push_reg) -> None:
+    t = ProducerTable(lease_s=10.0, registration_ttl_s=5.0)
+    assert t.cancel_registration("ghost", now=0.0) is None
+    assert t.add_registration(push_reg(request_id="ghost"), "a", now=0.1)[0] is RegOutcome.CANCELLED

@@ -282,6 +282,8 @@ PEER_MESSAGES = [
     peer.PeerHello(daemon_id="d", engine_id="e", side_channel_host="h", side_channel_port=0, agents=[]),
     peer.AgentsUpdate(agents=[AGENT]),
     peer.PushFailed(request_id="cmpl-abc-0-deadbeef", rank=3, reason="handshake failed"),
+    peer.CancelPush(request_id="cmpl-abc-0-deadbeef", rank=1),
+    peer.PushCancelled(request_id="cmpl-abc-0-deadbeef", rank=1),
     peer.Heartbeat(seq=12),
     peer.Heartbeat(),
     peer.Goodbye(reason="shutdown"),
@@ -292,6 +294,8 @@ PEER_TAGS = {
     peer.PeerHello: "hello",
     peer.AgentsUpdate: "agents",
     peer.PushFailed: "push_failed",
+    peer.CancelPush: "cancel",
+    peer.PushCancelled: "cancelled",
     peer.Heartbeat: "hb",
     peer.Goodbye: "bye",
 }
@@ -581,11 +585,12 @@ def test_decode_completion_rejects_malformed(payload: bytes) -> None:
 
 
 def test_decode_completion_length_cap() -> None:
-    at_cap = b"r" * 1022 + b":1"
-    assert len(at_cap) == 1024
-    assert decode_completion(at_cap) == ("r" * 1022, 1)
+    # Room for the longest request id (256 characters of 4 UTF-8 bytes) plus ":<tp>".
+    at_cap = b"r" * 1030 + b":1"
+    assert len(at_cap) == 4 * 256 + 8
+    assert decode_completion(at_cap) == ("r" * 1030, 1)
     with pytest.raises(ProtocolError, match="too long"):
-        decode_completion(b"r" * 1023 + b":1")
+        decode_completion(b"r" * 1031 + b":1")
 
 
 def test_push_reg_is_not_a_completion(push_reg) -> None:
@@ -593,11 +598,6 @@ def test_push_reg_is_not_a_completion(push_reg) -> None:
         decode_completion(encode_push_reg(push_reg()))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: decode_completion caps at 1024 bytes, but a request id valid as Name (256 chars) "
-    "can be up to 1024 UTF-8 bytes, so its completion '<id>:<tp>' is rejected and D never completes",
-)
 def test_completion_round_trips_for_every_valid_request_id(push_reg) -> None:
     rid = "\U0001f600" * 256  # 256 characters, the longest Name; 4 bytes each in UTF-8
     reg = decode_push_reg(encode_push_reg(push_reg(rid)))  # D may register it ...
@@ -618,6 +618,7 @@ def test_completion_round_trip_property(request_id: str, tp: int) -> None:
 # ---------------------------------------------------------------- PUSH_REG, property based
 
 NAMES = st.text(st.characters(codec="utf-8"), max_size=256)
+REQUEST_IDS = st.text(st.characters(codec="utf-8"), min_size=1, max_size=256)
 PORTS = st.integers(0, 65535)
 TPS = st.integers(1, 1024)
 BLOCK_IDS = st.lists(st.lists(st.integers(0, 2**32 - 1), max_size=20), max_size=4)
@@ -627,7 +628,7 @@ BLOCK_IDS = st.lists(st.lists(st.integers(0, 2**32 - 1), max_size=20), max_size=
 @given(
     reg=st.builds(
         PushReg,
-        request_id=NAMES,
+        request_id=REQUEST_IDS,
         decode_engine_id=NAMES,
         decode_host=NAMES,
         decode_port=PORTS,
@@ -652,3 +653,15 @@ def test_decode_push_reg_never_leaks_other_errors(body: bytes) -> None:
         decode_push_reg(PUSH_REG_PREFIX + body)
     except ProtocolError:
         pass
+
+
+def test_empty_request_ids_are_rejected_everywhere(push_reg) -> None:
+    with pytest.raises(ProtocolError):
+        decode_push_reg(encode_push_reg(push_reg("")))
+    for msg in (
+        worker.RegisterRecv(request_id="", local_block_ids=[[1]], remote_engine_id="p", remote_host="h", remote_port=1),
+        worker.SendReady(request_id="", block_ids=[[1]]),
+        worker.Evict(request_ids=[""]),
+    ):
+        with pytest.raises(msgspec.ValidationError):
+            worker.worker_decoder.decode(worker.encode(msg))
