@@ -1,0 +1,106 @@
+"""The ``pushsvc`` command as operators and scripts use it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from procs import start_daemon
+
+
+def _pushsvc(*args: str, env=None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pushsvc", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["--health-port", "70000"], "health_port"),
+        (["--lease-s", "-1"], "lease_s"),
+        (["--side-channel-port", "-5"], "side_channel_port"),
+    ],
+)
+def test_invalid_flag_exits_2_naming_the_field(args, field, base_dir):
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir), *args)
+    assert out.returncode == 2
+    assert field in out.stderr and "invalid configuration" in out.stderr
+
+
+def test_invalid_config_file_exits_2(base_dir):
+    cfg = base_dir / "bad.toml"
+    cfg.write_text('health_port = "eighty"\n')
+    out = _pushsvc("serve", "--config", str(cfg))
+    assert out.returncode == 2 and "health_port" in out.stderr
+    cfg.write_text("no_such_key = 1\n")
+    out = _pushsvc("serve", "--config", str(cfg))
+    assert out.returncode == 2 and "no_such_key" in out.stderr
+
+
+def test_invalid_env_exits_2(base_dir):
+    import os
+
+    env = {**os.environ, "PUSHSVC_WATCHDOG_S": "soon"}
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir), env=env)
+    assert out.returncode == 2 and "watchdog_s" in out.stderr
+
+
+def test_print_config_resolves_layers(base_dir):
+    cfg = base_dir / "c.toml"
+    cfg.write_text("[pushsvc]\nlease_s = 7.5\nhealth_port = 9000\n")
+    out = _pushsvc("serve", "--config", str(cfg), "--health-port", "9100", "--runtime-dir", str(base_dir),
+                   "--print-config")
+    assert out.returncode == 0, out.stderr
+    resolved = json.loads(out.stdout)
+    assert resolved["lease_s"] == 7.5 and resolved["health_port"] == 9100
+    assert resolved["socket_path"] == str(base_dir / "pushsvc.sock")
+
+
+def test_sigterm_drains_and_exits_0(base_dir):
+    d = start_daemon(base_dir, "term")
+    assert d.get("/readyz")[0] == 200
+    t0 = time.monotonic()
+    assert d.stop(signal.SIGTERM) == 0
+    assert time.monotonic() - t0 < 15
+    log = d.log()
+    assert '"daemon_stopping"' in log and '"daemon_stopped"' in log
+    assert not (d.runtime_dir / "pushsvc.sock").exists()
+
+
+def test_sigint_twice_exits_cleanly(base_dir):
+    d = start_daemon(base_dir, "int")
+    d.proc.send_signal(signal.SIGINT)
+    d.proc.send_signal(signal.SIGINT)
+    assert d.proc.wait(15) == 0
+
+
+def test_status_prints_engine_and_tables(base_dir):
+    d = start_daemon(base_dir, "stat")
+    try:
+        out = _pushsvc("status", "--url", d.url)
+        assert out.returncode == 0, out.stderr
+        assert "stat" in out.stdout and "tables" in out.stdout
+        js = _pushsvc("status", "--url", d.url, "--json")
+        data = json.loads(js.stdout)
+        assert data["info"]["engine_id"] == "stat" and data["ready"]["ready"] is True
+    finally:
+        assert d.stop() == 0
+    out = _pushsvc("status", "--url", d.url)
+    assert out.returncode == 1 and "cannot reach" in out.stderr
+
+
+def test_second_daemon_on_a_live_socket_refuses(base_dir):
+    d = start_daemon(base_dir, "first")
+    try:
+        out = _pushsvc("serve", "--socket", d.socket, "--runtime-dir", str(base_dir / "first"),
+                       "--health-port", "0", "--side-channel-port", "0", "--log-format", "json")
+        assert out.returncode == 1
+        assert "another daemon is listening" in out.stderr + out.stdout
+        assert d.get("/healthz")[0] == 200
+    finally:
+        assert d.stop() == 0
