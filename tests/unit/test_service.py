@@ -6,7 +6,6 @@ scenario ends with both daemons' tables back at zero.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 
 import numpy as np
@@ -167,14 +166,15 @@ async def test_p_lease_expires_without_registration() -> None:
 
 @pytest.mark.asyncio
 async def test_d_watchdog_fails_an_unserved_registration() -> None:
-    # P's copy of the registration outlives nothing here: its TTL matches D's watchdog.
-    async with push_pair(d_config={"watchdog_s": 0.3}, p_config={"registration_ttl_s": 0.3}) as pair:
+    # P's registration TTL stays long: D's watchdog itself must withdraw it from P.
+    async with push_pair(d_config={"watchdog_s": 0.5}) as pair:
         pair.register_recv(D_ID, [3, 4])
         await registered_at_p(pair)
         failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
         assert "watchdog" in failed.reason
         assert failed.block_ids == [3, 4]
         assert metric(pair.d, "pushsvc_watchdog_expired_total") == 1
+        await pair.dw.quiet_for(0.1)
         await assert_tables_empty(pair.p, pair.d)
 
 
@@ -222,12 +222,15 @@ async def test_handshake_failure_fails_the_registration() -> None:
 
 
 # ---------------------------------------------------------------- evict
+#
+# Every request ends in exactly one final event; for an evicted one it says "cancelled"
+# and comes once its blocks are safe to reuse (P can no longer write into them).
 
 
 @pytest.mark.asyncio
 async def test_evict_of_a_registration_still_handshaking() -> None:
-    """D evicts while the handshake is outstanding: no event for it ever reaches the
-    worker, not even when the handshake later fails."""
+    """P never saw the registration: it is cancelled at once, and the handshake that
+    fails later produces no second event."""
     silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # accepts (backlog), never answers
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
@@ -236,7 +239,8 @@ async def test_evict_of_a_registration_still_handshaking() -> None:
             pair.register_recv(D_ID, [3, 4], remote_port=silent.getsockname()[1])
             await wait_until(lambda: tables(pair, "d")["d_pending"] == 1, "D to track the registration")
             pair.dw.send(wp.Evict(request_ids=[D_ID]))
-            await wait_until(lambda: tables(pair, "d")["d_pending"] == 0, "the evict")
+            failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+            assert failed.reason == "cancelled" and failed.block_ids == [3, 4]
             await wait_until(lambda: metric(pair.d, "pushsvc_handshakes_total", result="failed") == 1,
                              "the handshake to time out")
             await pair.dw.quiet_for(0.1)
@@ -251,23 +255,80 @@ async def test_evict_of_staged_p_blocks() -> None:
         pair.send_ready(P_ID, [0, 1])
         await wait_until(lambda: tables(pair, "p")["p_staged"] == 1, "P to stage its blocks")
         pair.pw.send(wp.Evict(request_ids=[P_ID]))
+        failed = await pair.pw.wait_for(wp.SendFailed, P_ID)
+        assert failed.reason == "cancelled"
         await assert_tables_empty(pair.p, pair.d)
         await pair.pw.quiet_for(0.1)
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="BUG: D drops an evicted SENT registration without telling P; "
-                                       "P still WRITEs into D blocks the worker has freed")
-async def test_evicted_registration_is_never_written() -> None:
+async def test_evict_of_unknown_request_is_harmless() -> None:
     async with push_pair() as pair:
+        pair.dw.send(wp.Evict(request_ids=["cmpl-nobody-0-00000000"]))
+        pair.pw.send(wp.Evict(request_ids=["cmpl-nobody-0-00000000"]))
+        await pair.dw.ping(1)
+        await pair.pw.ping(2)
+        assert pair.dw.events == [] and pair.pw.events == []
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_evicted_registration_is_never_written() -> None:
+    """D withdraws a registration P already holds: once D says "cancelled", P's later
+    prefill of the same request must not write into D's (now free) blocks."""
+    async with push_pair(p_config={"lease_s": 0.3}) as pair:
         pair.register_recv(D_ID, [3, 4])
         await registered_at_p(pair)
         pair.dw.send(wp.Evict(request_ids=[D_ID]))
-        await wait_until(lambda: tables(pair, "d")["d_pending"] == 0, "the evict")
+        failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+        assert failed.reason == "cancelled"
+        assert tables(pair, "p")["p_registrations"] == 0
         # D's worker has now freed blocks 3 and 4; P's prefill finishes afterwards.
         pair.send_ready(P_ID, [0, 1])
-        await pair.pw.wait_for((wp.SendDone, wp.SendFailed), P_ID)
+        p_failed = await pair.pw.wait_for(wp.SendFailed, P_ID)
+        assert "lease" in p_failed.reason, "nothing left to match: the lease runs out"
         assert np.array_equal(pair.dw.snapshot(), pair.dw.initial), "P wrote into evicted D blocks"
+        await pair.dw.quiet_for(0.1)
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_evict_during_a_write_waits_for_it_to_settle() -> None:
+    """D evicts while P's WRITE into its blocks is in flight: D keeps the blocks (no
+    final event) until the WRITE has settled, then reports "cancelled"."""
+    async with push_pair() as pair:
+        pair.fake.hold_writes = True
+        pair.register_recv(D_ID, [3, 4])
+        await registered_at_p(pair)
+        pair.send_ready(P_ID, [0, 1])
+        await wait_until(lambda: tables(pair, "p")["inflight"] == 1, "the WRITE to be posted")
+        pair.dw.send(wp.Evict(request_ids=[D_ID]))
+        await pair.dw.quiet_for(0.3)  # the blocks are not free yet: P may still be writing
+        assert tables(pair, "d")["d_pending"] == 1
+        pair.fake.complete_held()
+        failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+        assert failed.reason == "cancelled"
+        await pair.pw.wait_for(wp.SendDone, P_ID)
+        await pair.dw.quiet_for(0.1)
+        await pair.pw.quiet_for(0.1)
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_watchdog_expired_registration_is_never_written() -> None:
+    """Regression: D's watchdog once failed a SENT registration without telling P, which
+    kept it for registration_ttl_s and later wrote into blocks D's worker had freed."""
+    async with push_pair(d_config={"watchdog_s": 0.5}, p_config={"lease_s": 0.3}) as pair:
+        pair.register_recv(D_ID, [3, 4])
+        await registered_at_p(pair)
+        failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+        assert "watchdog" in failed.reason
+        # D's worker has now freed blocks 3 and 4; P's prefill finishes afterwards.
+        pair.send_ready(P_ID, [0, 1])
+        p_failed = await pair.pw.wait_for(wp.SendFailed, P_ID)
+        assert "lease" in p_failed.reason, "nothing left to match: the lease runs out"
+        assert np.array_equal(pair.dw.snapshot(), pair.dw.initial), "P wrote into D blocks after D's watchdog"
+        await assert_tables_empty(pair.p, pair.d)
 
 
 # ---------------------------------------------------------------- WRITEs in flight
