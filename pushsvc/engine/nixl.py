@@ -1,6 +1,6 @@
 """The real engine: one ``nixl_agent`` per worker rank, driven from the event loop.
 
-NIXL's progress thread is off by default (``progress_thread = false``): measured on a
+NIXL's progress thread is off by default (``nixl_progress_thread = false``): measured on a
 2-core host, an idle agent with the thread on burns a whole core, and with it off the
 daemon drives progress itself by calling ``state``/``notifs`` while work is in flight
 (see docs/architecture.md, "Progress without threads").

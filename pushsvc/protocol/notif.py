@@ -57,9 +57,9 @@ def is_push_reg(payload: bytes) -> bool:
     return payload.startswith(PUSH_REG_PREFIX)
 
 
-def decode_push_reg(payload: bytes) -> PushReg:
-    if len(payload) > MAX_NOTIF_BYTES:
-        raise ProtocolError(f"PUSH_REG of {len(payload)} bytes exceeds {MAX_NOTIF_BYTES}")
+def decode_push_reg(payload: bytes, max_bytes: int = MAX_NOTIF_BYTES) -> PushReg:
+    if len(payload) > max_bytes:
+        raise ProtocolError(f"PUSH_REG of {len(payload)} bytes exceeds {max_bytes}")
     if not payload.startswith(PUSH_REG_PREFIX):
         raise ProtocolError("not a PUSH_REG notification")
     try:

@@ -1,8 +1,9 @@
 """``Daemon`` owns the lifecycle: startup, main loop, bounded graceful shutdown.
 
-Start and stop are idempotent. Shutdown first stops accepting (worker socket,
-side channel), then waits up to ``drain_timeout_s`` for WRITEs in flight to settle and
-tables to empty, then cancels what is left and releases NIXL and shared memory.
+Start and stop are idempotent. Shutdown first stops accepting workers, then waits up
+to ``drain_timeout_s`` for WRITEs in flight to settle (a WRITE may still be reading
+our memory), then closes the side channel, cancels what is left and releases NIXL
+and shared memory.
 Signal handlers only set flags: SIGTERM/SIGINT ask for a drain, a second SIGINT forces
 the exit without draining.
 """
@@ -67,8 +68,12 @@ class Daemon:
         if self.started:
             return
         self.started = True
-        os.makedirs(self.config.runtime_dir, mode=0o700, exist_ok=True)
-        os.chmod(self.config.runtime_dir, 0o700)
+        # Owner only; with a socket group, members may traverse to reach the socket.
+        mode = 0o710 if self.workers.gid is not None else 0o700
+        os.makedirs(self.config.runtime_dir, mode=mode, exist_ok=True)
+        if self.workers.gid is not None:
+            os.chown(self.config.runtime_dir, -1, self.workers.gid)
+        os.chmod(self.config.runtime_dir, mode)
         self.workers.start()
         await self.service.peers.start(self.config.side_channel_host, self.config.side_channel_port)
         await self.health.start()
@@ -107,7 +112,7 @@ class Daemon:
         log.info("daemon_stopped")
 
     def _drained(self) -> bool:
-        return not any(r.inflight for r in self.service.ranks.values())
+        return not self.service.writes_in_flight()
 
     async def serve(self, install_signals: bool = True) -> None:
         if install_signals:

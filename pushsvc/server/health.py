@@ -1,8 +1,8 @@
 """HTTP health, readiness, metrics and info, for operators and proxies (aiohttp).
 
 Bound to loopback by default. ``/healthz`` answers while the event loop runs;
-``/readyz`` only once the worker socket listens, the side channel is up and every
-connected worker's NIXL agent has its memory registered.
+``/readyz`` only once the worker socket listens, the side channel is up, the daemon
+is not shutting down, and every rank that said hello has its KV memory registered.
 """
 
 from __future__ import annotations

@@ -299,9 +299,12 @@ class PeerManager:
         peer = session.peer
         assert peer is not None
         hb = self._spawn(self._heartbeats(session))
+        # A peer is silent once neither a heartbeat nor anything else arrived for our
+        # timeout, stretched to three of the peer's own heartbeat intervals.
+        timeout = max(self._peer_timeout, 3 * peer.heartbeat_interval_s)
         try:
             while True:
-                msg = await self._read(session, self._peer_timeout)
+                msg = await self._read(session, timeout)
                 if isinstance(msg, pp.Heartbeat):
                     continue
                 if isinstance(msg, pp.PushFailed):
@@ -318,7 +321,7 @@ class PeerManager:
                 else:
                     raise ProtocolError(f"unexpected {type(msg).__name__} after hello")
         except TimeoutError:
-            log.warning("peer_silent", peer=peer.engine_id, timeout_s=self._peer_timeout)
+            log.warning("peer_silent", peer=peer.engine_id, timeout_s=timeout)
         except ProtocolError as exc:
             self._metrics.malformed.labels("side_channel", "frame").inc()
             log.warning("peer_protocol_error", peer=peer.engine_id, error=str(exc))

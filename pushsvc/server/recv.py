@@ -140,7 +140,7 @@ class ReceiveSide:
     def _cancel_recv(self, rank: LocalRank, rid: str) -> None:
         """The worker evicted ``rid``. Its blocks are reusable only once P can no longer
         write into them: at once if P never saw the registration, else after P says so."""
-        entry = rank.consumer.evict(rid)
+        entry = rank.consumer.evict(rid, asyncio.get_running_loop().time())
         if entry is None:
             return
         log.info("recv_cancelled", request_id=rid, rank=rank.rank, peer=entry.remote.engine_id,

@@ -51,7 +51,7 @@ class SendSide:
 
     def _on_push_reg(self, rank: LocalRank, sender: str, payload: bytes) -> None:
         try:
-            reg = notif.decode_push_reg(payload)
+            reg = notif.decode_push_reg(payload, self.config.max_notif_bytes)
         except ProtocolError as exc:
             self._malformed("notification", "push_reg", sender, exc)
             return
@@ -92,9 +92,12 @@ class SendSide:
         try:
             peer = await self.peers.ensure(reg.decode_host, reg.decode_port, reg.decode_engine_id)
         except HandshakeError as exc:
-            self._fail_push(rank, match, None, "handshake_failed", str(exc))
-            return
-        if rank.producer.writing.get(match.request_id) is match:
+            peer, error = None, exc
+        if rank.producer.writing.get(match.request_id) is not match:
+            return  # cancelled or evicted while the handshake ran: already final
+        if peer is None:
+            self._fail_push(rank, match, None, "handshake_failed", str(error))
+        else:
             self._write(rank, match, peer)
 
     def _write(self, rank: LocalRank, match: Match, peer: Peer) -> None:

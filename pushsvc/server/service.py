@@ -35,6 +35,9 @@ from pushsvc.state.producer import ProducerTable
 log = structlog.get_logger("pushsvc.service")
 
 _EXPIRY_PERIOD_S = 0.05
+# Block descriptors one rank may register (24 bytes each in the prepped lists): a
+# 128-layer model with 64k blocks per layer and separate K/V regions fits.
+MAX_DESCRIPTORS = 1 << 24
 
 
 class PushService(SendSide, ReceiveSide, PeerEvents):
@@ -124,6 +127,10 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
             raise ProtocolError("daemon-owned GPU arenas need a CUDA build of the daemon")
         if len(fds) != msg.memory.count:
             raise ProtocolError(f"expected {msg.memory.count} fds, got {len(fds)}")
+        descriptors = sum(r.num_blocks for r in msg.regions)
+        if descriptors > MAX_DESCRIPTORS:
+            # Each block of each region becomes a NIXL descriptor held in memory.
+            raise LayoutError(f"{descriptors} blocks across regions exceed the limit of {MAX_DESCRIPTORS}")
         buffers: list[SharedBuffer] = []
         try:
             for fd in fds:
@@ -156,6 +163,10 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
 
     def on_worker_message(self, rank: LocalRank, msg: wp.WorkerMessage) -> None:
         self.metrics.worker_messages.labels(type(msg).__name__).inc()
+        if isinstance(msg, wp.RegisterRecv) and rank.role == "producer":
+            raise ProtocolError("a producer worker cannot register to receive KV")
+        if isinstance(msg, wp.SendReady) and rank.role == "consumer":
+            raise ProtocolError("a consumer worker cannot send KV")
         if isinstance(msg, wp.RegisterRecv):
             self._on_register_recv(rank, msg)
         elif isinstance(msg, wp.SendReady):
@@ -257,7 +268,7 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
         if now >= self._next_expiry:
             self._next_expiry = now + _EXPIRY_PERIOD_S
             self._expire(now)
-        return any(r.busy for r in self.ranks.values())
+        return bool(self._retiring) or any(r.busy for r in self.ranks.values())
 
     def _drain_notifs(self, rank: LocalRank) -> None:
         try:
@@ -306,8 +317,10 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                 self.metrics.failures.labels(kind).inc()
                 log.warning("watchdog_expired", request_id=entry.request_id, rank=rank.rank,
                             peer=entry.remote.engine_id, phase=kind)
+                reason = (f"watchdog: no push within {self.config.watchdog_s}s" if entry.reason == "watchdog"
+                          or entry.state is not RecvState.CANCELLING else f"{entry.reason}: P did not confirm")
                 self._tell(rank, wp.RecvFailed(request_id=entry.request_id, block_ids=entry.flat_block_ids,
-                                               reason=f"watchdog: no push within {self.config.watchdog_s}s"))
+                                               reason=reason))
         if changed:
             self._update_gauges()
 
@@ -326,9 +339,20 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
         log.info("rank_retired", rank=rank.rank, agent=rank.agent.name, reason=reason, inflight=len(rank.inflight))
         self.ranks.pop(rank.rank, None)
         rank.conn = None
+        # Registrations D sent to the old worker's agent will never be served: D
+        # fails them now rather than at its watchdog.
+        senders = {r.sender for r in rank.producer.registrations.values()}
+        for reg in rank.producer.drop_registrations_from(senders):
+            peer = self.peers.find_agent(reg.sender)
+            if peer is not None:
+                self.peers.send(peer, pp.PushFailed(request_id=reg.reg.request_id, rank=reg.reg.decode_rank,
+                                                    reason=f"P worker restarted: {reason}"))
         self._retiring.append(rank)
         self._poll_retiring(asyncio.get_running_loop().time())
         self.metrics.agents.set(len(self.ranks))
+
+    def writes_in_flight(self) -> int:
+        return sum(len(r.inflight) for r in [*self.ranks.values(), *self._retiring])
 
     def _poll_retiring(self, now: float) -> None:
         for rank in list(self._retiring):

@@ -109,13 +109,17 @@ class WorkerConn:
             # Framing is intact, so the connection can go on after telling the worker.
             self._reject("decode", f"malformed message: {exc}", fatal=self.state is ConnState.HELLO)
             return
+        request_id = getattr(msg, "request_id", "")
         try:
             self._advance(msg)
         except (ProtocolError, LayoutError, TransferError, OSError) as exc:
-            request_id = getattr(msg, "request_id", "")
             self._reject(type(exc).__name__, str(exc), fatal=self.state is ConnState.HELLO, request_id=request_id)
-        finally:
-            self._close_fds()
+        except Exception as exc:
+            # A bug here must cost one message, not the daemon: log it with its
+            # traceback, answer the worker, keep serving.
+            log.exception("worker_message_failed", rank=getattr(self.rank, "rank", None), request_id=request_id)
+            self._reject("internal", f"{type(exc).__name__}: {exc}", fatal=self.state is ConnState.HELLO,
+                         request_id=request_id)
 
     def _advance(self, msg: wp.WorkerMessage) -> None:
         service = self.server.service
@@ -129,6 +133,7 @@ class WorkerConn:
         elif isinstance(msg, wp.Hello):
             raise ProtocolError("hello sent twice")
         elif isinstance(msg, wp.RegisterKV):
+            # The fds ride on this frame's first bytes; any received since belong to it.
             fds, self._fds = self._fds, []
             try:
                 self.send(service.register_kv(self.rank, msg, fds))
@@ -216,7 +221,7 @@ class WorkerServer:
         self.metrics = metrics
         self.max_frame = max_frame
         self.allowed_uids = set(allowed_uids) | {0, os.getuid()}
-        self.gid = _resolve_group(group) if group else None
+        self.gid = resolve_group(group) if group else None
         self.max_connections = max_connections
         self.conns: set[WorkerConn] = set()
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
@@ -259,7 +264,7 @@ class WorkerServer:
     def _admit(self, sock: socket.socket) -> None:
         pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         reason = ""
-        if uid not in self.allowed_uids and not (self.gid is not None and gid == self.gid):
+        if uid not in self.allowed_uids and not (self.gid is not None and self.gid in _groups_of(pid, gid)):
             reason = "uid_not_allowed"
         elif len(self.conns) >= self.max_connections:
             reason = "too_many_connections"
@@ -298,7 +303,22 @@ class WorkerServer:
         return f"<WorkerServer {self.path} conns={len(self.conns)}>"
 
 
-def _resolve_group(group: str) -> int:
+def _groups_of(pid: int, gid: int) -> set[int]:
+    """Primary and supplementary groups of a peer process (SO_PEERCRED gives only the
+    primary one)."""
+    groups = {gid}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+                    break
+    except OSError:
+        pass
+    return groups
+
+
+def resolve_group(group: str) -> int:
     return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
 
 

@@ -93,14 +93,17 @@ class ConsumerTable:
     def fail(self, request_id: str) -> PendingRecv | None:
         return self.pending.pop(request_id, None)
 
-    def evict(self, request_id: str) -> PendingRecv | None:
+    def evict(self, request_id: str, now: float | None = None) -> PendingRecv | None:
         """Drop a registration P cannot have seen yet; a SENT one becomes CANCELLING
-        (P may be writing into its blocks) and stays until ``fail`` confirms it."""
+        (P may be writing into its blocks) and stays until ``fail`` confirms it, or
+        until ``cancel_grace_s`` after ``now`` (when given) runs out."""
         entry = self.pending.get(request_id)
         if entry is None or entry.state is RecvState.CANCELLING:
             return None
         if entry.state is RecvState.SENT:
             entry.state = RecvState.CANCELLING
+            if now is not None:
+                entry.deadline = min(entry.deadline, now + self.cancel_grace_s)
             return entry
         del self.pending[request_id]
         return entry

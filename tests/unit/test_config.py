@@ -101,10 +101,10 @@ def test_toml_key_outside_pushsvc_table_rejected(tmp_path: Path) -> None:
 
 
 def test_env_overrides_file(tmp_path: Path) -> None:
-    path = write(tmp_path, "health_port = 9000\nverify = false\n")
-    cfg = load_config(path, env={**BASE_ENV, "PUSHSVC_HEALTH_PORT": "9100", "PUSHSVC_VERIFY": "yes"})
+    path = write(tmp_path, "health_port = 9000\nnixl_progress_thread = false\n")
+    cfg = load_config(path, env={**BASE_ENV, "PUSHSVC_HEALTH_PORT": "9100", "PUSHSVC_NIXL_PROGRESS_THREAD": "yes"})
     assert cfg.health_port == 9100
-    assert cfg.verify is True
+    assert cfg.nixl_progress_thread is True
 
 
 def test_overrides_beat_env_and_none_is_ignored() -> None:
@@ -138,7 +138,7 @@ def test_env_lists_and_types() -> None:
 
 @pytest.mark.parametrize(("raw", "expected"), [("0", False), ("FALSE", False), ("no", False), ("True", True)])
 def test_env_bool_words(raw: str, expected: bool) -> None:
-    assert load_config(env={**BASE_ENV, "PUSHSVC_VERIFY": raw}).verify is expected
+    assert load_config(env={**BASE_ENV, "PUSHSVC_NIXL_PROGRESS_THREAD": raw}).nixl_progress_thread is expected
 
 
 # Rejections, each naming the field
@@ -208,7 +208,7 @@ def test_unrelated_env_vars_are_ignored() -> None:
 @pytest.mark.parametrize(
     ("var", "raw", "field"),
     [
-        ("PUSHSVC_VERIFY", "maybe", "verify"),
+        ("PUSHSVC_NIXL_PROGRESS_THREAD", "maybe", "nixl_progress_thread"),
         ("PUSHSVC_HEALTH_PORT", "eighty", "health_port"),
         ("PUSHSVC_LEASE_S", "", "lease_s"),
         ("PUSHSVC_ALLOWED_UIDS", "1000,bob", "allowed_uids"),
