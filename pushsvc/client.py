@@ -89,6 +89,10 @@ class DaemonClient:
     def connected(self) -> bool:
         return self._sock is not None
 
+    def fileno(self) -> int:
+        """The socket's fd, readable when events are waiting (for select/epoll users)."""
+        return self._require().fileno()
+
     def send(self, msg: msgspec.Struct) -> None:
         """Queue ``msg``; write what the socket accepts now. Never blocks."""
         self._out += frame(wp.encode(msg))

@@ -72,6 +72,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Transfer-status polling: fast while WRITEs are in flight, slow when idle.
     poll_busy_interval_s: float = 0.001
     poll_idle_interval_s: float = 0.05
+    # Back-to-back polling while a WRITE moves, for at most this long per WRITE.
+    poll_hot_max_s: float = 0.5
     drain_timeout_s: float = 10.0
     # Logging and debugging.
     log_format: str = "auto"

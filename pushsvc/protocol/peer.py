@@ -86,6 +86,15 @@ class PushCancelled(msgspec.Struct, tag="cancelled", **_opts):
     rank: U32
 
 
+class WriteStarted(msgspec.Struct, tag="writing", **_opts):
+    """P posted the WRITE for D's ``request_id``: D polls its agent continuously until
+    the completion arrives, because the WRITE completes only as both agents progress."""
+
+    request_id: Name
+    rank: U32
+    nbytes: U64 = 0
+
+
 class Heartbeat(msgspec.Struct, tag="hb", **_opts):
     seq: U64 = 0
 
@@ -94,7 +103,9 @@ class Goodbye(msgspec.Struct, tag="bye", **_opts):
     reason: Text = ""
 
 
-PeerMessage = Union[PeerHello, AgentsUpdate, PushFailed, CancelPush, PushCancelled, Heartbeat, Goodbye]
+PeerMessage = Union[
+    PeerHello, AgentsUpdate, PushFailed, CancelPush, PushCancelled, WriteStarted, Heartbeat, Goodbye
+]
 
 _encoder = msgspec.msgpack.Encoder()
 peer_decoder = msgspec.msgpack.Decoder(PeerMessage)

@@ -88,6 +88,7 @@ class PeerEvents:
     def push_failed(self, peer: Peer, msg: pp.PushFailed) -> None: ...
     def cancel_push(self, peer: Peer, msg: pp.CancelPush) -> None: ...
     def push_cancelled(self, peer: Peer, msg: pp.PushCancelled) -> None: ...
+    def write_started(self, peer: Peer, msg: pp.WriteStarted) -> None: ...
 
 
 class PeerManager:
@@ -313,6 +314,8 @@ class PeerManager:
                     self._events.cancel_push(peer, msg)
                 elif isinstance(msg, pp.PushCancelled):
                     self._events.push_cancelled(peer, msg)
+                elif isinstance(msg, pp.WriteStarted):
+                    self._events.write_started(peer, msg)
                 elif isinstance(msg, pp.AgentsUpdate):
                     self._add_agents(peer, msg.agents)
                 elif isinstance(msg, pp.Goodbye):

@@ -3,14 +3,24 @@
 With NIXL's progress thread off, transfers and notifications advance only when the
 owner calls into the agent. One task does that for every agent: each pass drains
 notifications, checks WRITE handles and runs the lease/watchdog timers. The pace
-adapts: ``busy_interval`` while anything is in flight or waiting for a match,
-``idle_interval`` otherwise. ``wake()`` (called on every worker message) runs a pass
-at once, so new work never waits for a tick.
+adapts to what the pass reports:
+
+* ``Pace.HOT``: a WRITE is moving (ours, or the peer's into us, announced over the
+  side channel). Passes run back to back, yielding to the loop in between. Measured:
+  a WRITE completes only when *both* agents make progress, so a 64 KiB push takes
+  ~1 ms when the target polls every 0.5 ms and ~0.05 ms when it polls continuously.
+  Hot passes last only as long as the transfer (bounded by ``hot_max_s``).
+* ``Pace.BUSY``: registrations or blocks wait for their match: ``busy_interval``.
+* ``Pace.IDLE``: nothing tracked: ``idle_interval``.
+
+``wake()`` (called on every worker message) runs a pass at once, so new work never
+waits for a tick.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 from typing import Callable
 
 import structlog
@@ -18,8 +28,14 @@ import structlog
 log = structlog.get_logger("pushsvc.progress")
 
 
+class Pace(enum.IntEnum):
+    IDLE = 0
+    BUSY = 1
+    HOT = 2
+
+
 class ProgressLoop:
-    def __init__(self, step: Callable[[float], bool], busy_interval: float, idle_interval: float) -> None:
+    def __init__(self, step: Callable[[float], Pace], busy_interval: float, idle_interval: float) -> None:
         self._step = step
         self.busy_interval = busy_interval
         self.idle_interval = idle_interval
@@ -38,16 +54,19 @@ class ProgressLoop:
             self._woken = False
             self.passes += 1
             try:
-                busy = self._step(loop.time())
+                pace = self._step(loop.time())
             except Exception:
                 # A bug in one pass must not stop transfers for everyone; it is logged
                 # with its traceback and the next pass runs as usual.
                 log.exception("progress_pass_failed")
-                busy = True
+                pace = Pace.BUSY
+            if pace is Pace.HOT:
+                await asyncio.sleep(0)  # let sockets and timers run, then poll again
+                continue
             if self._woken:
                 continue
             self._wakeup = loop.create_future()
-            handle = loop.call_later(self.busy_interval if busy else self.idle_interval, self.wake)
+            handle = loop.call_later(self.busy_interval if pace is Pace.BUSY else self.idle_interval, self.wake)
             try:
                 await self._wakeup
             finally:

@@ -45,6 +45,7 @@ class LocalRank:
     inflight: dict[str, Inflight] = field(default_factory=dict)  # by P request id
     staged_at: dict[str, float] = field(default_factory=dict)
     registered_at: dict[str, float] = field(default_factory=dict)  # D request id -> time
+    incoming: dict[str, float] = field(default_factory=dict)  # D request id -> WRITE announced at
 
     @property
     def ready(self) -> bool:
@@ -53,6 +54,17 @@ class LocalRank:
     @property
     def busy(self) -> bool:
         return bool(self.inflight) or self.producer.busy or self.consumer.busy
+
+    def forget_recv(self, request_id: str) -> float | None:
+        """Drop the D-side timing of a request that reached its final event."""
+        self.incoming.pop(request_id, None)
+        return self.registered_at.pop(request_id, None)
+
+    def hot(self, now: float, hot_max_s: float) -> bool:
+        """A WRITE is moving from or into this rank's memory (for at most hot_max_s)."""
+        if any(now - f.posted_at < hot_max_s for f in self.inflight.values()):
+            return True
+        return any(now - t < hot_max_s for t in self.incoming.values())
 
     def sizes(self) -> dict[str, int]:
         return {**self.producer.sizes(), **self.consumer.sizes(), "inflight": len(self.inflight)}

@@ -94,7 +94,7 @@ class ReceiveSide:
 
     def _fail_recv(self, rank: LocalRank, rid: str, kind: str, reason: str) -> None:
         entry = rank.consumer.fail(rid)
-        rank.registered_at.pop(rid, None)
+        rank.forget_recv(rid)
         if entry is None:
             return
         self.metrics.failures.labels(kind).inc()
@@ -119,12 +119,13 @@ class ReceiveSide:
             log.info("completion_ignored", request_id=rid, peer=sender, reason="unknown or late")
             return
         self.metrics.notifications.labels("completion").inc()
+        log.debug("completion", request_id=rid, peer=sender, outcome=outcome.value)
         if outcome is CompletionOutcome.CANCELLED:
-            rank.registered_at.pop(rid, None)
+            rank.forget_recv(rid)
             self._tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
                                            reason=_final_reason(entry.reason, self.config.watchdog_s)))
         elif outcome is CompletionOutcome.DONE:
-            started = rank.registered_at.pop(rid, None)
+            started = rank.forget_recv(rid)
             if started is not None:
                 self.metrics.recv_seconds.observe(asyncio.get_running_loop().time() - started)
             self._tell(rank, wp.RecvDone(request_id=rid))
@@ -137,6 +138,15 @@ class ReceiveSide:
             return
         self._fail_recv(rank, msg.request_id, "push_failed_remote", msg.reason)
 
+    def write_started(self, peer: Peer, msg: pp.WriteStarted) -> None:
+        rank = self.ranks.get(msg.rank)
+        entry = rank.consumer.pending.get(msg.request_id) if rank else None
+        if rank is None or entry is None or entry.remote.engine_id != peer.engine_id:
+            return  # finished or failed already
+        rank.incoming[msg.request_id] = asyncio.get_running_loop().time()
+        log.debug("write_announced", request_id=msg.request_id, peer=peer.engine_id, bytes=msg.nbytes)
+        self.wake()
+
     def _cancel_recv(self, rank: LocalRank, rid: str) -> None:
         """The worker evicted ``rid``. Its blocks are reusable only once P can no longer
         write into them: at once if P never saw the registration, else after P says so."""
@@ -146,7 +156,7 @@ class ReceiveSide:
         log.info("recv_cancelled", request_id=rid, rank=rank.rank, peer=entry.remote.engine_id,
                  waiting_for_p=entry.state is RecvState.CANCELLING)
         if entry.state is not RecvState.CANCELLING:
-            rank.registered_at.pop(rid, None)
+            rank.forget_recv(rid)
             self._tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids, reason="cancelled"))
             return
         self._request_cancel(rank, entry)
@@ -161,7 +171,7 @@ class ReceiveSide:
         entry = rank.consumer.pending.get(msg.request_id) if rank else None
         if rank is None or entry is None or entry.state is not RecvState.CANCELLING:
             return  # the WRITE's completion got here first: already final
-        rank.registered_at.pop(msg.request_id, None)
+        rank.forget_recv(msg.request_id)
         rank.consumer.fail(msg.request_id)
         self._tell(rank, wp.RecvFailed(request_id=msg.request_id, block_ids=entry.flat_block_ids,
                                        reason=_final_reason(entry.reason, self.config.watchdog_s)))

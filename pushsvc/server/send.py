@@ -131,7 +131,9 @@ class SendSide:
         self.metrics.transfer_blocks.inc(plan.logical_blocks)
         log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=plan.nbytes,
                   descriptors=len(plan.src_indices))
-        if state is not XferState.PROC:
+        if state is XferState.PROC:
+            self.peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank, nbytes=plan.nbytes))
+        else:
             self._settle(rank, rank.inflight[match.request_id], state, now)
         self.wake()
 
@@ -159,6 +161,7 @@ class SendSide:
             rank.agent.release(flight.handle)
         except TransferError as exc:
             log.warning("write_release_failed", request_id=rid, error=str(exc))
+        log.debug("write_settled", request_id=rid, state=state.value, seconds=round(now - flight.posted_at, 6))
         if state is XferState.DONE:
             rank.producer.finish(rid)
             rank.staged_at.pop(rid, None)

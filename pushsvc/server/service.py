@@ -24,6 +24,7 @@ from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
 from pushsvc.server.peers import Peer, PeerEvents, PeerManager
+from pushsvc.server.progress import Pace
 from pushsvc.server.ranks import LocalRank, layout_from_regions, layout_of_agent
 from pushsvc.server.recv import ReceiveSide
 from pushsvc.server.send import SendSide
@@ -117,6 +118,7 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                 for rid in list(rank.producer.staged):
                     rank.producer.evict(rid)
                 rank.registered_at.clear()
+                rank.incoming.clear()
                 rank.staged_at.clear()
                 self._update_gauges()
 
@@ -251,9 +253,9 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
 
     # ================================================================ progress
 
-    def progress(self, now: float) -> bool:
-        """One pass over every agent: notifications, WRITE states, timers. Returns
-        whether anything is in flight (the caller then polls again soon)."""
+    def progress(self, now: float) -> Pace:
+        """One pass over every agent: notifications, WRITE states, timers. Returns how
+        soon the next pass should run (see ``progress.Pace``)."""
         for rank in list(self.ranks.values()):
             self._drain_notifs(rank)
             if rank.inflight:
@@ -268,7 +270,9 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
         if now >= self._next_expiry:
             self._next_expiry = now + _EXPIRY_PERIOD_S
             self._expire(now)
-        return bool(self._retiring) or any(r.busy for r in self.ranks.values())
+        if any(r.hot(now, self.config.poll_hot_max_s) for r in [*self.ranks.values(), *self._retiring]):
+            return Pace.HOT
+        return Pace.BUSY if self._retiring or any(r.busy for r in self.ranks.values()) else Pace.IDLE
 
     def _drain_notifs(self, rank: LocalRank) -> None:
         try:
@@ -310,7 +314,7 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                     self.metrics.watchdog_expired.inc()
                     self._request_cancel(rank, entry)
                     continue
-                rank.registered_at.pop(entry.request_id, None)
+                rank.forget_recv(entry.request_id)
                 kind = "cancel_unconfirmed" if entry.state is RecvState.CANCELLING else "watchdog"
                 if kind == "watchdog":
                     self.metrics.watchdog_expired.inc()

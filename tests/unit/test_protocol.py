@@ -284,6 +284,7 @@ PEER_MESSAGES = [
     peer.PushFailed(request_id="cmpl-abc-0-deadbeef", rank=3, reason="handshake failed"),
     peer.CancelPush(request_id="cmpl-abc-0-deadbeef", rank=1),
     peer.PushCancelled(request_id="cmpl-abc-0-deadbeef", rank=1),
+    peer.WriteStarted(request_id="cmpl-abc-0-deadbeef", rank=1, nbytes=1 << 20),
     peer.Heartbeat(seq=12),
     peer.Heartbeat(),
     peer.Goodbye(reason="shutdown"),
@@ -296,6 +297,7 @@ PEER_TAGS = {
     peer.PushFailed: "push_failed",
     peer.CancelPush: "cancel",
     peer.PushCancelled: "cancelled",
+    peer.WriteStarted: "writing",
     peer.Heartbeat: "hb",
     peer.Goodbye: "bye",
 }

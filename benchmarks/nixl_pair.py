@@ -1,0 +1,98 @@
+"""Baseline: the same WRITE done in-process with NIXL, no daemon.
+
+Two processes, each owning its memory and a NIXL agent (progress thread off, as in the
+daemon). The initiator prepares block descriptors once, then for each size posts one
+WRITE with a notification and polls until DONE; the target polls for the notification.
+Run as ``python nixl_pair.py`` (it forks the target itself); prints JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import sys
+import time
+
+import numpy as np
+
+from pushsvc.engine.base import XferState
+from pushsvc.engine.nixl import NixlEngine
+from pushsvc.shm import SharedBuffer
+from pushsvc.state.layout import Layout, RegionSpec, descriptor_table
+
+
+def _layout(buf: SharedBuffer, block_len: int, blocks: int) -> Layout:
+    return Layout((RegionSpec(buf.address, block_len, blocks, block_len),))
+
+
+def _target(conn, total: int, block_len: int) -> None:
+    agent = NixlEngine(["UCX"]).create_agent("bench-target")
+    buf = SharedBuffer.create(total)
+    agent.register([(buf.address, buf.size)], "DRAM")
+    layout = _layout(buf, block_len, total // block_len)
+    conn.send((agent.metadata(), descriptor_table(layout)))
+    peer_meta = conn.recv()
+    agent.add_remote(peer_meta)
+    # The target keeps calling into its agent: with no progress thread, UCX connection
+    # set-up and notification delivery need both sides to make progress.
+    seen: set[bytes] = set()
+    while True:
+        for msgs in agent.notifs().values():
+            seen.update(msgs)
+        if not conn.poll(0):
+            continue
+        cmd = conn.recv()
+        if cmd is None:
+            break
+        want = cmd.encode()
+        while want not in seen:
+            for msgs in agent.notifs().values():
+                seen.update(msgs)
+        seen.discard(want)
+        conn.send("ok")
+
+
+def run(sizes: list[int], block_len: int, repeats: int) -> list[dict]:
+    total = max(sizes)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_target, args=(child, total, block_len))
+    proc.start()
+    agent = NixlEngine(["UCX"]).create_agent("bench-initiator")
+    buf = SharedBuffer.create(total)
+    agent.register([(buf.address, buf.size)], "DRAM")
+    meta, remote_descs = parent.recv()
+    parent.send(agent.metadata())
+    name = agent.add_remote(meta)
+    local = agent.prep_local(descriptor_table(_layout(buf, block_len, total // block_len)), "DRAM")
+    remote = agent.prep_remote(name, remote_descs, "DRAM")
+    out = []
+    for size in sizes:
+        n = size // block_len
+        idx = np.arange(n, dtype=np.int32)
+        times, notif_times = [], []
+        for rep in range(repeats + 1):
+            tag = f"bench-{size}-{rep}"
+            t0 = time.perf_counter()
+            handle, state = agent.write(local, idx, remote, idx, tag.encode())
+            while state is XferState.PROC:
+                state = agent.state(handle)
+            t1 = time.perf_counter()
+            agent.release(handle)
+            parent.send(tag)
+            parent.recv()
+            t2 = time.perf_counter()
+            if rep:  # the first is a warm-up (connection set-up)
+                times.append(t1 - t0)
+                notif_times.append(t2 - t0)
+        out.append({"size": size, "blocks": n, "block_len": block_len, "write_s": float(np.median(times)),
+                    "notified_s": float(np.median(notif_times))})
+    parent.send(None)
+    proc.join(30)
+    return out
+
+
+if __name__ == "__main__":
+    sizes = [int(s) for s in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1 << 20, 16 << 20, 256 << 20]
+    for row in run(sizes, int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 16, 5):
+        print(json.dumps(row))
