@@ -19,7 +19,7 @@ import msgspec
 
 from pushsvc.errors import DaemonUnavailable, ProtocolError
 from pushsvc.protocol import worker as wp
-from pushsvc.protocol.framing import PREAMBLE, FrameBuffer, check_preamble, encode_preamble, frame
+from pushsvc.protocol.framing import DECODE_ERRORS, PREAMBLE, FrameBuffer, check_preamble, encode_preamble, frame
 
 _RECV_BYTES = 1 << 16
 
@@ -130,7 +130,7 @@ class DaemonClient:
             try:
                 for payload in self._frames.feed(data):
                     events.append(wp.daemon_decoder.decode(payload))
-            except (ProtocolError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except (ProtocolError, *DECODE_ERRORS) as exc:
                 self._lost(exc)
 
     def close(self) -> None:

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import struct
 
+import msgspec
+
 from pushsvc.errors import FrameTooLarge, ProtocolError, VersionMismatch
+
+# Everything a msgspec decoder raises on hostile bytes. msgspec reports invalid UTF-8
+# in a map key as UnicodeDecodeError rather than DecodeError (found by fuzzing).
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
 
 PREAMBLE = struct.Struct(">4sHH")
 HEADER = struct.Struct(">I")

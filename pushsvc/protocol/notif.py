@@ -17,6 +17,7 @@ from typing import Annotated
 import msgspec
 
 from pushsvc.errors import ProtocolError
+from pushsvc.protocol.framing import DECODE_ERRORS
 from pushsvc.protocol.worker import BlockIds, Name, Port, RequestId
 
 PUSH_REG_PREFIX = b"PUSH_REG:"
@@ -64,7 +65,7 @@ def decode_push_reg(payload: bytes, max_bytes: int = MAX_NOTIF_BYTES) -> PushReg
         raise ProtocolError("not a PUSH_REG notification")
     try:
         return _push_reg_decoder.decode(payload[len(PUSH_REG_PREFIX) :])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except DECODE_ERRORS as exc:
         raise ProtocolError(f"malformed PUSH_REG: {exc}") from None
 
 

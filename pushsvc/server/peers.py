@@ -23,7 +23,7 @@ import structlog
 from pushsvc.errors import HandshakeError, ProtocolError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import peer as pp
-from pushsvc.protocol.framing import HEADER, PREAMBLE, check_preamble, encode_preamble, frame
+from pushsvc.protocol.framing import DECODE_ERRORS, HEADER, PREAMBLE, check_preamble, encode_preamble, frame
 
 log = structlog.get_logger("pushsvc.peers")
 
@@ -241,7 +241,7 @@ class PeerManager:
         payload = await asyncio.wait_for(session.reader.readexactly(length), timeout)
         try:
             return pp.peer_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except DECODE_ERRORS as exc:
             raise ProtocolError(f"malformed peer message: {exc}") from None
 
     def _my_hello(self) -> pp.PeerHello:

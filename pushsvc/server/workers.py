@@ -28,7 +28,7 @@ import structlog
 from pushsvc.errors import LayoutError, ProtocolError, TransferError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import worker as wp
-from pushsvc.protocol.framing import PREAMBLE, FrameBuffer, check_preamble, encode_preamble, frame
+from pushsvc.protocol.framing import DECODE_ERRORS, PREAMBLE, FrameBuffer, check_preamble, encode_preamble, frame
 
 log = structlog.get_logger("pushsvc.workers")
 
@@ -105,7 +105,7 @@ class WorkerConn:
     def _dispatch(self, payload: bytes) -> None:
         try:
             msg = wp.worker_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except DECODE_ERRORS as exc:
             # Framing is intact, so the connection can go on after telling the worker.
             self._reject("decode", f"malformed message: {exc}", fatal=self.state is ConnState.HELLO)
             return

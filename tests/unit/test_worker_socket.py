@@ -174,7 +174,8 @@ async def test_malformed_payload_after_hello_gets_error_and_connection_lives() -
         try:
             for payload in (b"\xc1\xc1 not msgpack",  # not msgpack at all
                             msgspec.msgpack.encode({"t": "ping", "token": -1}),  # out of bounds
-                            msgspec.msgpack.encode({"t": "no-such-message"})):  # unknown tag
+                            msgspec.msgpack.encode({"t": "no-such-message"}),  # unknown tag
+                            b"\x81\xa6\x00\x00\x00\x00\x00\x80\x01"):  # map key not UTF-8
                 await conn.send(frame(payload))
                 error = await conn.recv_msg()
                 assert isinstance(error, wp.Error) and error.code == "decode", error
@@ -182,7 +183,7 @@ async def test_malformed_payload_after_hello_gets_error_and_connection_lives() -
             assert await conn.recv_msg() == wp.Pong(token=42)
         finally:
             conn.close()
-        assert metric(d, "pushsvc_malformed_inputs_total", source="worker", reason="decode") == 3
+        assert metric(d, "pushsvc_malformed_inputs_total", source="worker", reason="decode") == 4
 
 
 @pytest.mark.asyncio
