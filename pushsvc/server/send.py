@@ -67,6 +67,16 @@ class SendSide:
             self._malformed("notification", "push_reg_sender_mismatch", sender,
                             ProtocolError(f"agent of {known.engine_id} sent a PUSH_REG for {reg.decode_engine_id}"))
             return
+        if known is not None:
+            # D's layout is known: blocks outside it, or named twice, can never be
+            # written. Refused now, and D hears why.
+            try:
+                check_block_ids(layout_of_agent(known.agents[sender]), reg.local_block_ids, "PUSH_REG")
+            except LayoutError as exc:
+                self._malformed("notification", "push_reg_blocks", sender, exc)
+                self.peers.send(known, pp.PushFailed(request_id=reg.request_id, rank=reg.decode_rank,
+                                                     reason=f"registration rejected: {exc}"))
+                return
         now = asyncio.get_running_loop().time()
         outcome, match = rank.producer.add_registration(reg, sender, now)
         self.metrics.notifications.labels("push_reg").inc()

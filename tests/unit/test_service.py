@@ -398,3 +398,33 @@ async def test_malformed_push_reg_is_counted_and_daemon_keeps_serving() -> None:
         pair.send_ready(P_ID, [0, 1])
         await push_ok(pair, P_ID, [0, 1], D_ID, [3, 4])
         await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_push_reg_with_blocks_outside_d_is_refused_before_any_write() -> None:
+    from pushsvc.protocol import notif
+
+    async with push_pair(d_blocks=16) as pair:
+        pair.register_recv("warm-up", [1])  # D and P know each other from here on
+        pair.send_ready("warm-up", [1])
+        await pair.dw.wait_for(wp.RecvDone, "warm-up")
+        await pair.pw.wait_for(wp.SendDone, "warm-up")
+        before = pair.dw.snapshot()
+        for bad in ([[16]], [[3, 3]]):  # past D's 16 blocks; one block named twice
+            reg = notif.PushReg(
+                request_id="forged", decode_engine_id=pair.d.config.engine_id, decode_host="127.0.0.1",
+                decode_port=pair.d.service.peers.port, decode_tp_size=1, local_block_ids=bad,
+                remote_engine_id=pair.p.config.engine_id, remote_host="127.0.0.1",
+                remote_port=pair.p.service.peers.port, remote_tp_size=1)
+            pair.fake.agents[pair.p_agent].inbox[pair.d_agent].append(notif.encode_push_reg(reg))
+        await wait_until(lambda: metric(pair.p, "pushsvc_malformed_inputs_total", source="notification",
+                                        reason="push_reg_blocks") == 2, "both PUSH_REGs to be refused")
+        pair.send_ready("forged", [0])
+        await pair.pw.quiet_for(0.3)  # nothing to match: no WRITE, no final event yet
+        assert pair.p.info()["tables"]["p_staged"] == 1
+        assert pair.p.info()["tables"]["p_registrations"] == 0
+        assert metric(pair.p, "pushsvc_transfers_total", result="done") == 1  # the warm-up only
+        assert np.array_equal(pair.dw.snapshot(), before)  # no byte of D changed
+        pair.pw.send(wp.Evict(request_ids=["forged"]))
+        assert (await pair.pw.wait_for(wp.SendFailed, "forged")).reason == "cancelled"
+        await assert_tables_empty(pair.p, pair.d)
