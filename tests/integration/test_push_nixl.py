@@ -188,3 +188,31 @@ def test_foreign_agent_notifications_are_counted_and_ignored(spawn):
     pw.call("ready", request_id="after", block_ids=[[4]])
     assert dw.wait("after")["type"] == "RecvDone"
     assert P.get("/healthz")[0] == 200
+
+
+def test_tensor_parallel_ranks_each_get_their_own_agent(spawn):
+    P = spawn.daemon("prefill")
+    D = spawn.daemon("decode")
+    pws = [spawn.worker(P, "producer", rank=r, tp_size=2, layers=LAYERS, blocks=P_BLOCKS, block_len=BLOCK_LEN,
+                        seed=10 + r) for r in range(2)]
+    dws = [spawn.worker(D, "consumer", rank=r, tp_size=2, layers=LAYERS, blocks=D_BLOCKS, block_len=BLOCK_LEN,
+                        seed=20 + r) for r in range(2)]
+    agents = {a["rank"]: a["agent"] for a in P.live_info()["agents"]}
+    assert sorted(agents) == [0, 1] and agents[0] != agents[1]
+    # Every rank of D registers the same request; rank r of P pushes its own shard.
+    for r in range(2):
+        dws[r].call("recv", request_id="tp", block_ids=[[5, 6]], remote_engine_id=P.engine_id,
+                    remote_host="127.0.0.1", remote_port=P.side_port, remote_tp_size=2)
+        pws[r].call("ready", request_id="tp", block_ids=[[1, 2]])
+    import hashlib
+
+    for r in range(2):
+        assert dws[r].wait("tp")["type"] == "RecvDone"
+        assert pws[r].wait("tp")["type"] == "SendDone"
+        digests = dws[r].digests()
+        for region in range(2 * LAYERS):
+            for d_block, p_block in ((5, 1), (6, 2)):
+                want = hashlib.sha1(pattern(10 + r, region, p_block, BLOCK_LEN)).hexdigest()
+                assert digests[region][d_block] == want
+    assert P.metric("pushsvc_transfers_total", result="done") == 2
+    assert _tables_empty(P, D)
