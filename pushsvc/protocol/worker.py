@@ -17,6 +17,7 @@ U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+MAX_FDS = 250
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 BlockIds = Annotated[list[Annotated[list[U32], msgspec.Meta(max_length=1 << 20)]], msgspec.Meta(max_length=64)]
 
@@ -56,10 +57,11 @@ class Region(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, fro
 class MemfdBuffers(msgspec.Struct, tag="memfd", **_opts):
     """CPU memory shared as memfds; the fds ride on this frame via SCM_RIGHTS.
 
-    Buffer ``i`` of the regions is the i-th fd, mapped whole by the daemon.
+    Buffer ``i`` of the regions is the i-th fd, mapped whole by the daemon. One frame
+    carries at most 250 fds (the kernel's SCM_MAX_FD is 253).
     """
 
-    count: Annotated[int, msgspec.Meta(ge=1, le=64)]
+    count: Annotated[int, msgspec.Meta(ge=1, le=MAX_FDS)]
 
 
 class DaemonArena(msgspec.Struct, tag="daemon_arena", **_opts):
@@ -81,7 +83,7 @@ Memory = Union[MemfdBuffers, DaemonArena]
 
 
 class Hello(msgspec.Struct, tag="hello", **_opts):
-    engine_id: Name
+    engine_id: Name  # "" = the daemon's engine, whatever it is
     rank: U32
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)]
     role: Role

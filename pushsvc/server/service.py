@@ -70,7 +70,9 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
 
     def attach_worker(self, conn: Any, hello: wp.Hello) -> wp.Welcome:
         """A worker said hello: bind its connection to its rank, creating the agent once."""
-        if hello.engine_id != self.config.engine_id:
+        # A worker may name the engine it expects, or leave it empty and take the
+        # daemon's (the vLLM connector does: peers know the engine by the daemon's id).
+        if hello.engine_id and hello.engine_id != self.config.engine_id:
             raise ProtocolError(f"worker engine id {hello.engine_id!r} != daemon engine id {self.config.engine_id!r}")
         rank = self.ranks.get(hello.rank)
         if rank is not None and rank.conn is not None and rank.conn is not conn:
@@ -85,7 +87,7 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
             self._generation += 1
             name = f"{self.config.engine_id}/r{hello.rank}/{self.daemon_id[:8]}.{self._generation}"
             rank = LocalRank(
-                engine_id=hello.engine_id,
+                engine_id=self.config.engine_id,
                 rank=hello.rank,
                 tp_size=hello.tp_size,
                 role=hello.role,

@@ -33,7 +33,7 @@ from pushsvc.protocol.framing import DECODE_ERRORS, PREAMBLE, FrameBuffer, check
 log = structlog.get_logger("pushsvc.workers")
 
 _RECV_BYTES = 1 << 16
-_MAX_FDS_PER_MSG = 64
+_MAX_FDS_PER_MSG = wp.MAX_FDS
 _CMSG_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_MSG * 4)
 _UCRED = struct.Struct("3i")
 

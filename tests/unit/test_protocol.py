@@ -202,7 +202,7 @@ def test_valid_raw_maps_decode() -> None:
         pytest.param(_register_kv(blocks_per_logical=0), id="blocks-per-logical-zero"),
         pytest.param(_register_kv(blocks_per_logical=1025), id="blocks-per-logical-too-large"),
         pytest.param(_register_kv(memory={"t": "memfd", "count": 0}), id="memfd-count-zero"),
-        pytest.param(_register_kv(memory={"t": "memfd", "count": 65}), id="memfd-count-too-large"),
+        pytest.param(_register_kv(memory={"t": "memfd", "count": 251}), id="memfd-count-too-large"),
         pytest.param(_register_kv(memory={"t": "daemon_arena", "device": 0, "sizes": []}), id="arena-no-sizes"),
         pytest.param(_register_kv(memory={"t": "daemon_arena", "device": 0, "sizes": [1] * 65}), id="arena-too-many"),
         pytest.param(_register_kv(memory={"t": "daemon_arena", "device": 0, "sizes": [-1]}), id="arena-negative"),

@@ -367,3 +367,15 @@ async def test_client_reports_daemon_unavailable_when_daemon_stops() -> None:
                 await worker.connect()
         finally:
             worker.close()
+
+
+@pytest.mark.asyncio
+async def test_hello_without_engine_id_takes_the_daemons() -> None:
+    async with daemon() as d:
+        client = DaemonClient(d.config.socket_path, engine_id="", rank=0, tp_size=1, role="both", timeout_s=WAIT_S)
+        try:
+            welcome = await asyncio.to_thread(client.connect)
+            assert welcome.engine_id == d.config.engine_id
+            assert d.service.ranks[0].engine_id == d.config.engine_id
+        finally:
+            client.close()
