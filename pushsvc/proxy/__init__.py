@@ -1,0 +1,13 @@
+"""The P/D proxy (``pushsvc proxy``): an OpenAI-compatible front for disaggregated vLLM.
+
+Each generation request becomes two concurrent legs: a prefill leg to a P instance and a
+decode leg to a D instance that names P's daemon, so D's daemon registers its blocks while P
+computes and P's daemon pushes the KV straight into them. Modules: ``config`` (ProxyConfig),
+``legs`` (the two request bodies, pure), ``backends`` (selection, daemon coordinates),
+``upstream`` (backend calls and their errors), ``metrics``, ``app`` (routes, lifecycle).
+"""
+
+from pushsvc.proxy.app import ProxyServer, build_app, run_proxy
+from pushsvc.proxy.config import ProxyConfig, load_proxy_config
+
+__all__ = ["ProxyConfig", "ProxyServer", "build_app", "load_proxy_config", "run_proxy"]

@@ -1,0 +1,513 @@
+"""The proxy's HTTP front (aiohttp): routes, the P/D exchange, and the server lifecycle.
+
+One exchange per generation request. Both legs start together: P computes the prompt's KV
+while D allocates blocks and its daemon registers them with P's (push mode). The client
+gets D's answer. Until D has produced its first bytes, either leg failing ends the
+exchange: the other leg's connection is closed (vLLM aborts a request whose client left)
+and the client gets the failed leg's status. Once D has answered, P no longer matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import aiohttp
+from aiohttp import hdrs, web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pushsvc.logging import get_logger
+from pushsvc.proxy import legs
+from pushsvc.proxy.backends import (
+    DECODE,
+    PREFILL,
+    Backend,
+    BackendPool,
+    DaemonInfoCache,
+)
+from pushsvc.proxy.config import ProxyConfig
+from pushsvc.proxy.legs import PrefillCoordinates
+from pushsvc.proxy.metrics import ProxyMetrics
+from pushsvc.proxy.upstream import (
+    UpstreamError,
+    fetch_coordinates,
+    probe,
+    status_error,
+    translate,
+)
+
+_log = get_logger("pushsvc.proxy")
+
+# What a failed call to a backend raised before ``translate`` names it.
+_CALL_ERRORS = (aiohttp.ClientError, TimeoutError)
+# A client that left shows up as one of these when we write to it.
+_CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError)
+_KEEPALIVE_S = 4.0
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "method_not_allowed",
+    413: "request_too_large",
+}
+
+
+@dataclass
+class Exchange:
+    """One client request and the two backends serving it."""
+
+    request_id: str
+    endpoint: str
+    body: dict[str, Any]
+    prefill: Backend
+    decode: Backend
+    headers: dict[str, str]  # sent on both legs
+    log: Any
+    started: float = field(default_factory=time.monotonic)
+    ttft_s: float | None = None
+
+
+@dataclass
+class Streaming:
+    """D accepted a streamed request and sent its first bytes; the response is ours to close."""
+
+    response: aiohttp.ClientResponse
+    first: bytes
+
+
+@dataclass
+class Completed:
+    """D's whole non-streamed answer."""
+
+    status: int
+    content_type: str
+    body: bytes
+
+
+class Proxy:
+    """State of one proxy app: backend pools, the backend session, metrics, the probe."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.prefill = BackendPool(
+            [Backend(url, PREFILL, daemon_url=daemon) for url, daemon in zip(config.prefill, config.prefill_daemon)]
+        )
+        self.decode = BackendPool([Backend(url, DECODE) for url in config.decode])
+        self.metrics = ProxyMetrics()
+        self.infos = DaemonInfoCache(self._fetch_coordinates)
+        self._session: aiohttp.ClientSession | None = None
+        self._probe_task: asyncio.Task[None] | None = None
+        # ``sock_connect`` rather than ``connect``: waiting for a pooled connection is not
+        # the backend's fault.
+        self._call_timeout = aiohttp.ClientTimeout(total=config.timeout_s, sock_connect=config.connect_timeout_s)
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=config.connect_timeout_s, sock_read=config.timeout_s
+        )
+        self._probe_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def startup(self, app: web.Application) -> None:
+        # vLLM's uvicorn drops idle keep-alive connections after 5 s; a POST that races that
+        # close fails and is not retried, so pooled connections are given up a little earlier.
+        connector = aiohttp.TCPConnector(limit=self.config.max_connections, keepalive_timeout=_KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector)
+        if self.config.health_interval_s > 0:
+            self._probe_task = asyncio.create_task(self._probe_loop())
+
+    async def cleanup(self, app: web.Application) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.wait([self._probe_task])
+            self._probe_task = None
+        await self.infos.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "proxy app not started"
+        return self._session
+
+    # ------------------------------------------------------------ routes
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, legs.COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, legs.CHAT)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        backend = self.decode.pick()
+        try:
+            async with self.session.get(
+                f"{backend.url}/v1/models", headers=_auth(request), timeout=self._call_timeout, allow_redirects=False
+            ) as response:
+                body = await response.read()
+                ctype = response.headers.get(hdrs.CONTENT_TYPE, "application/json")
+                return web.Response(status=response.status, body=body, headers={hdrs.CONTENT_TYPE: ctype})
+        except _CALL_ERRORS as exc:
+            err = translate(exc, "models", backend.url, what="decode backend")
+            self._count_failure(err, backend, _log.bind(endpoint="models"), phase="models")
+            return error_response(err.status, err.message, err.type)
+        finally:
+            self.decode.release(backend)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        ok = self.prefill.any_healthy() and self.decode.any_healthy()
+        doc = {"status": "ok" if ok else "unavailable", "prefill": self.prefill.describe(),
+               "decode": self.decode.describe()}
+        return web.json_response(doc, status=200 if ok else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        for pool in (self.prefill, self.decode):
+            for b in pool:
+                self.metrics.outstanding.labels(b.role, b.url).set(b.outstanding)
+                self.metrics.healthy.labels(b.role, b.url).set(1 if b.healthy else 0)
+        return web.Response(body=self.metrics.render(), headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
+
+    # ------------------------------------------------------------ the exchange
+
+    async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        started = time.monotonic()
+        request_id = legs.request_id(request.headers)
+        try:
+            body = legs.parse_body(await request.read())
+        except legs.BadRequestBody as exc:
+            return error_response(400, str(exc), "invalid_request_error", request_id)
+        headers = {legs.REQUEST_ID_HEADER: request_id, hdrs.CONTENT_TYPE: "application/json", **_auth(request)}
+        prefill, decode = self.prefill.pick(), self.decode.pick()
+        log = _log.bind(request_id=request_id, endpoint=endpoint)
+        ex = Exchange(request_id, endpoint, body, prefill, decode, headers, log, started)
+        status = 499  # unless a response is returned below: the client left
+        try:
+            response = await self._exchange(request, ex)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            # aiohttp cancels the handler when the client disconnects (handler_cancellation),
+            # or at shutdown after the drain; unwinding _exchange has closed both legs.
+            log.info("request_cancelled", backend=decode.url, phase="stream" if ex.ttft_s else "before_answer")
+            raise
+        finally:
+            self.decode.release(decode)
+            total = time.monotonic() - started
+            self.metrics.request_seconds.labels(endpoint).observe(total)
+            log.debug("request_done", status=status, prefill=prefill.url, decode=decode.url,
+                      ttft_s=ex.ttft_s, total_s=round(total, 6))
+
+    async def _exchange(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+        p_task = asyncio.create_task(self._prefill_leg(ex))
+        # A done callback runs even if the task is cancelled before it starts.
+        p_task.add_done_callback(lambda _: self.prefill.release(ex.prefill))
+        d_task: asyncio.Task[Streaming | Completed] | None = None
+        try:
+            try:
+                coords = await self.infos.get(ex.prefill)
+            except UpstreamError as err:
+                self._count_failure(err, ex.prefill, ex.log, phase="daemon_info")
+                return self._fail(ex, err)
+            d_task = asyncio.create_task(self._decode_leg(ex, coords))
+            try:
+                start = await _first_answer(p_task, d_task)
+            except UpstreamError as err:
+                return self._fail(ex, err)
+            if isinstance(start, Completed):
+                return web.Response(status=start.status, body=start.body, headers={
+                    hdrs.CONTENT_TYPE: start.content_type, legs.REQUEST_ID_HEADER: ex.request_id})
+            return await self._stream(request, ex, start)
+        finally:
+            # Closing a leg's connection is how vLLM learns to abort it.
+            if d_task is not None:
+                await _stop(d_task)
+                if not d_task.cancelled() and d_task.exception() is None:
+                    result = d_task.result()
+                    if isinstance(result, Streaming):  # idempotent if _stream closed it already
+                        result.response.close()
+            await _stop(p_task)
+
+    async def _prefill_leg(self, ex: Exchange) -> None:
+        backend = ex.prefill
+        data = legs.encode_body(legs.prefill_body(ex.body, ex.endpoint))
+        try:
+            async with self.session.post(
+                backend.url + legs.PATHS[ex.endpoint], data=data, headers=ex.headers,
+                timeout=self._call_timeout, allow_redirects=False,
+            ) as response:
+                if not 200 <= response.status < 300:
+                    raise await status_error(PREFILL, response)
+                await response.read()  # one token, discarded: P's work is the KV it pushes
+        except _CALL_ERRORS as exc:
+            err = translate(exc, PREFILL, backend.url)
+            self._count_failure(err, backend, ex.log, phase="prefill")
+            raise err from None
+        except UpstreamError as err:
+            self._count_failure(err, backend, ex.log, phase="prefill")
+            raise
+        backend.mark_ok()
+
+    async def _decode_leg(self, ex: Exchange, coords: PrefillCoordinates) -> Streaming | Completed:
+        backend = ex.decode
+        stream = legs.is_stream(ex.body)
+        data = legs.encode_body(legs.decode_body(ex.body, coords, self.config.remote_tp_size))
+        response: aiohttp.ClientResponse | None = None
+        try:
+            response = await self.session.post(
+                backend.url + legs.PATHS[ex.endpoint], data=data, headers=ex.headers,
+                timeout=self._stream_timeout if stream else self._call_timeout, allow_redirects=False,
+            )
+            if not 200 <= response.status < 300:
+                raise await status_error(DECODE, response)
+            if stream:
+                first = await response.content.readany()
+                started, response = Streaming(response, first), None  # the caller closes it now
+                backend.mark_ok()
+                return started
+            body = await response.read()
+            backend.mark_ok()
+            return Completed(response.status, response.headers.get(hdrs.CONTENT_TYPE, "application/json"), body)
+        except _CALL_ERRORS as exc:
+            err = translate(exc, DECODE, backend.url)
+            self._count_failure(err, backend, ex.log, phase="decode")
+            raise err from None
+        except UpstreamError as err:
+            self._count_failure(err, backend, ex.log, phase="decode")
+            raise
+        finally:
+            if response is not None:
+                # Fully read: the connection is back in the pool and this is a no-op.
+                # Otherwise (error, cancelled): the connection is closed.
+                response.close()
+
+    async def _stream(self, request: web.Request, ex: Exchange, start: Streaming) -> web.StreamResponse:
+        upstream = start.response
+        try:
+            out = web.StreamResponse(status=upstream.status, headers={
+                hdrs.CONTENT_TYPE: upstream.headers.get(hdrs.CONTENT_TYPE, "text/event-stream"),
+                legs.REQUEST_ID_HEADER: ex.request_id,
+            })
+            chunk = start.first
+            try:
+                await out.prepare(request)
+                while chunk:
+                    await out.write(chunk)
+                    if ex.ttft_s is None:
+                        ex.ttft_s = round(time.monotonic() - ex.started, 6)
+                        self.metrics.ttft_seconds.labels(ex.endpoint).observe(ex.ttft_s)
+                    try:
+                        chunk = await upstream.content.readany()
+                    except _CALL_ERRORS as exc:
+                        # Too late to change the status: tell the client inside the stream.
+                        err = translate(exc, DECODE, ex.decode.url)
+                        self._count_failure(err, ex.decode, ex.log, phase="decode_stream")
+                        await out.write(legs.error_sse_event(err.message, err.type, err.status))
+                        break
+                await out.write_eof()
+            except _CLIENT_GONE:
+                ex.log.info("client_disconnected", phase="stream", backend=ex.decode.url)
+            return out
+        finally:
+            upstream.close()
+
+    def _fail(self, ex: Exchange, err: UpstreamError) -> web.Response:
+        # Even when D failed: a D that cannot reach P's daemon may have stale coordinates.
+        self.infos.invalidate(ex.prefill)
+        return error_response(err.status, err.message, err.type, ex.request_id)
+
+    def _count_failure(self, err: UpstreamError, backend: Backend, log: Any, phase: str) -> None:
+        self.metrics.backend_errors.labels(err.leg, err.kind).inc()
+        log.warning("backend_failed", phase=phase, backend=backend.url, kind=err.kind, status=err.status,
+                    error=err.message)
+        if err.unreachable:
+            backend.mark_failed(err.message)
+        if backend.role == PREFILL:
+            # P (or its daemon) may have restarted with another engine id or port.
+            self.infos.invalidate(backend)
+
+    # ------------------------------------------------------------ health probe
+
+    async def _fetch_coordinates(self, daemon_url: str) -> PrefillCoordinates:
+        return await fetch_coordinates(self.session, daemon_url, self._call_timeout)
+
+    async def _probe_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.gather(*(self._probe(b) for b in [*self.prefill, *self.decode]))
+            except Exception:  # noqa: BLE001 - a bug here must not end probing for the proxy's lifetime
+                _log.exception("probe_failed", phase="probe")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _probe(self, backend: Backend) -> None:
+        problem = await probe(self.session, f"{backend.url}/health", self._probe_timeout)
+        if not problem and backend.role == PREFILL:
+            # P is useless for P/D without its daemon; asking also refreshes the coordinates.
+            try:
+                await self.infos.refresh(backend)
+            except UpstreamError as err:
+                problem = err.message
+        if problem:
+            if backend.healthy:
+                _log.warning("backend_unhealthy", phase="probe", backend=backend.url, error=problem)
+            backend.mark_failed(problem)
+        else:
+            if not backend.healthy:
+                _log.info("backend_healthy", phase="probe", backend=backend.url)
+            backend.mark_ok()
+
+
+async def _first_answer(
+    p_task: asyncio.Task[None], d_task: asyncio.Task[Streaming | Completed]
+) -> Streaming | Completed:
+    """D's start, unless a leg fails first. Raises the failed leg's UpstreamError."""
+    await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
+    if d_task.done() and d_task.exception() is None:
+        return d_task.result()  # D answered, so it has P's KV; P's outcome no longer matters
+    if p_task.done() and (p_exc := p_task.exception()) is not None:
+        raise p_exc
+    if d_task.done():
+        raise d_task.exception()  # type: ignore[misc]
+    return await d_task
+
+
+async def _stop(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and let its cleanup (closing its connection) run."""
+    if not task.done():
+        task.cancel()
+        await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # already counted and logged by the leg; retrieved so asyncio stays quiet
+
+
+def _auth(request: web.Request) -> dict[str, str]:
+    # vLLM started with --api-key checks the same header the client sent us.
+    value = request.headers.get(hdrs.AUTHORIZATION)
+    return {hdrs.AUTHORIZATION: value} if value else {}
+
+
+def error_response(status: int, message: str, type_: str, request_id: str | None = None) -> web.Response:
+    headers = {legs.REQUEST_ID_HEADER: request_id} if request_id else None
+    return web.json_response(legs.error_body(message, type_, status), status=status, headers=headers)
+
+
+PROXY = web.AppKey("proxy", Proxy)
+
+
+@web.middleware
+async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Count every request by route and status; turn aiohttp's own errors into OpenAI JSON."""
+    proxy = request.app[PROXY]
+    endpoint = getattr(request.match_info.route, "name", None) or "unknown"
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        message = {404: f"no route for {request.path}", 405: f"{request.method} not allowed on {request.path}"}
+        response = error_response(exc.status, message.get(exc.status) or exc.text or exc.reason,
+                                  _STATUS_TYPES.get(exc.status, "proxy_error"))
+        if hdrs.ALLOW in exc.headers:
+            response.headers[hdrs.ALLOW] = exc.headers[hdrs.ALLOW]
+        return response
+    except asyncio.CancelledError:
+        status = 499  # the client left (or the server is shutting down)
+        raise
+    except Exception:  # noqa: BLE001 - answer a bug with an error JSON, not a dropped connection
+        _log.exception("proxy_error", endpoint=endpoint, path=request.path)
+        return error_response(500, "internal proxy error", "proxy_error")
+    finally:
+        proxy.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+def build_app(config: ProxyConfig) -> web.Application:
+    """The proxy's aiohttp application; its backend session lives from startup to cleanup."""
+    proxy = Proxy(config)
+    app = web.Application(middlewares=[_observe], client_max_size=config.max_body_bytes)
+    app[PROXY] = proxy
+    app.router.add_post("/v1/completions", proxy.completions, name=legs.COMPLETIONS)
+    app.router.add_post("/v1/chat/completions", proxy.chat_completions, name=legs.CHAT)
+    app.router.add_get("/v1/models", proxy.models, name="models")
+    app.router.add_get("/healthz", proxy.healthz, name="healthz")
+    app.router.add_get("/metrics", proxy.metrics_text, name="metrics")
+    app.on_startup.append(proxy.startup)
+    app.on_cleanup.append(proxy.cleanup)
+    return app
+
+
+class ProxyServer:
+    """Owns the listening socket and the app's lifecycle; ``start`` and ``close`` are idempotent."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.app = build_app(config)
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def proxy(self) -> Proxy:
+        return self.app[PROXY]
+
+    async def start(self) -> int:
+        if self._runner is not None:
+            return self.port
+        # handler_cancellation: a client that leaves cancels its handler at once, which
+        # closes both legs, instead of only when the next write to it fails.
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True,
+                                     shutdown_timeout=self.config.drain_timeout_s)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+        try:
+            await site.start()
+        except BaseException:
+            await self.close()
+            raise
+        sockets = site._server.sockets if site._server else ()  # aiohttp exposes no public accessor
+        self.port = sockets[0].getsockname()[1] if sockets else self.config.port
+        return self.port
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"<ProxyServer {self.config.host}:{self.port} running={self._runner is not None}>"
+
+
+def run_proxy(config: ProxyConfig) -> int:
+    """Serve until SIGINT or SIGTERM; 0 after a drain, 1 if it cannot listen."""
+    import uvloop
+
+    return uvloop.run(_serve(config))
+
+
+async def _serve(config: ProxyConfig) -> int:
+    server = ProxyServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)  # only flips a flag; the drain below is bounded
+    try:
+        port = await server.start()
+    except OSError as exc:
+        print(f"pushsvc: cannot start proxy: {exc}", file=sys.stderr)
+        return 1
+    _log.info("proxy_started", host=config.host, port=port, prefill=config.prefill, decode=config.decode)
+    try:
+        await stop.wait()
+        _log.info("proxy_stopping", drain_timeout_s=config.drain_timeout_s)
+    finally:
+        await server.close()
+    return 0

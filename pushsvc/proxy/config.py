@@ -1,0 +1,123 @@
+"""The proxy's one typed configuration object, built by the CLI (``pushsvc proxy``).
+
+``load_proxy_config`` converts the flag values once with msgspec, normalizes the backend
+URLs and validates; an invalid value raises ``ConfigError`` naming the field, which the CLI
+turns into exit status 2. Nothing below reads flags or the environment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import msgspec
+from yarl import URL
+
+from pushsvc.config import LOG_FORMATS, LOG_LEVELS
+from pushsvc.errors import ConfigError
+
+MiB = 1 << 20
+
+
+class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Every knob of the P/D proxy. URLs are base URLs without a trailing slash."""
+
+    # vLLM OpenAI servers: prefill (P) and decode (D) instances.
+    prefill: list[str]
+    # The pushsvc daemon next to each P instance; the i-th belongs to the i-th ``prefill``.
+    prefill_daemon: list[str]
+    decode: list[str]
+    port: int
+    host: str = "127.0.0.1"
+    # Total time of a non-streamed backend call; for streams, the longest silence between chunks.
+    timeout_s: float = 300.0
+    # TCP connect only: waiting for a free pooled connection does not count, so a busy
+    # proxy does not report healthy backends as unreachable.
+    connect_timeout_s: float = 10.0
+    # Tensor-parallel size of the P instances, passed to D as ``remote_tp_size``.
+    remote_tp_size: int = 1
+    # Bound on open backend connections (aiohttp TCPConnector limit).
+    max_connections: int = 1024
+    # Active probe of every backend (``/health``) and P daemon (``/v1/info``); 0 turns it off.
+    health_interval_s: float = 5.0
+    # On shutdown, in-flight requests get this long before their backend legs are closed.
+    drain_timeout_s: float = 10.0
+    max_body_bytes: int = 32 * MiB
+    log_format: str = "auto"
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid field. URLs must already be normalized."""
+        for name in ("prefill", "decode"):
+            urls = getattr(self, name)
+            if not urls:
+                raise ConfigError(name, "needs at least one backend URL")
+            if len(set(urls)) != len(urls):
+                raise ConfigError(name, "lists the same backend twice")
+        if len(self.prefill_daemon) != len(self.prefill):
+            raise ConfigError(
+                "prefill_daemon",
+                f"needs one daemon URL per prefill backend ({len(self.prefill)}), got {len(self.prefill_daemon)}",
+            )
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", f"must be in 0..65535, got {self.port}")
+        if not self.host:
+            raise ConfigError("host", "must not be empty")
+        for name in ("timeout_s", "connect_timeout_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(name, f"must be a positive number of seconds, got {value}")
+        if not (math.isfinite(self.health_interval_s) and self.health_interval_s >= 0):
+            raise ConfigError("health_interval_s", f"must be >= 0 seconds (0: off), got {self.health_interval_s}")
+        for name in ("remote_tp_size", "max_connections", "max_body_bytes"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(name, f"must be positive, got {value}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError("log_format", f"must be one of {sorted(LOG_FORMATS)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError("log_level", f"must be one of {sorted(LOG_LEVELS)}")
+
+
+def load_proxy_config(values: Mapping[str, object]) -> ProxyConfig:
+    """Build, normalize and validate a ProxyConfig; ``None`` values take the field default."""
+    given = {k: v for k, v in values.items() if v is not None}
+    try:
+        cfg = msgspec.convert(given, ProxyConfig)
+    except msgspec.ValidationError as exc:
+        raise _translate(exc) from None
+    cfg = msgspec.structs.replace(
+        cfg,
+        prefill=[normalize_url("prefill", u) for u in cfg.prefill],
+        prefill_daemon=[normalize_url("prefill_daemon", u) for u in cfg.prefill_daemon],
+        decode=[normalize_url("decode", u) for u in cfg.decode],
+    )
+    cfg.validate()
+    return cfg
+
+
+def normalize_url(field: str, raw: str) -> str:
+    """An absolute http(s) base URL without query, fragment or trailing slash."""
+    try:
+        url = URL(raw)
+        port = url.port
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(field, f"invalid URL {raw!r}: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ConfigError(field, f"must be an absolute http:// or https:// URL, got {raw!r}")
+    if port is None or not 1 <= port <= 65535:
+        raise ConfigError(field, f"port must be in 1..65535 in {raw!r}")
+    if url.query_string or url.fragment or url.user or url.password:
+        raise ConfigError(field, f"must not carry credentials, a query or a fragment: {raw!r}")
+    return str(url).rstrip("/")
+
+
+def _translate(exc: msgspec.ValidationError) -> ConfigError:
+    # msgspec names the location only inside its message, e.g. "... - at `$.port`".
+    text = str(exc)
+    for marker in ("at `$.", "field `"):
+        start = text.find(marker)
+        if start >= 0:
+            name = text[start + len(marker):].split("`", 1)[0].split("[", 1)[0]
+            return ConfigError(name, text)
+    return ConfigError("config", text)

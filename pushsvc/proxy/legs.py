@@ -1,0 +1,136 @@
+"""The two backend requests of one P/D exchange, derived from the client's request.
+
+Pure functions: no I/O, no clock. The prefill leg asks P to compute the prompt's KV and
+keep it for a remote decoder (``do_remote_decode``); the decode leg asks D to receive that
+KV from P (``do_remote_prefill``) and names where P's daemon listens, so D's daemon can
+register its blocks with P while P computes (push mode).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+COMPLETIONS = "completions"
+CHAT = "chat_completions"
+PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class PrefillCoordinates(msgspec.Struct, frozen=True):
+    """Where D's daemon finds P's: the keys of a P daemon's ``GET /v1/info`` we use."""
+
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: int
+
+    def check(self) -> None:
+        """Raise ValueError unless these coordinates can be dialed."""
+        if not self.engine_id:
+            raise ValueError("engine_id is empty")
+        if not self.side_channel_host:
+            raise ValueError("side_channel_host is empty")
+        if not 1 <= self.side_channel_port <= 65535:
+            raise ValueError(f"side_channel_port {self.side_channel_port} is not in 1..65535")
+
+
+class BadRequestBody(ValueError):
+    """The client's body is not a JSON object."""
+
+
+_decoder = msgspec.json.Decoder()
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The client's JSON object; BadRequestBody for anything else."""
+    if not raw:
+        raise BadRequestBody("request body is empty; expected a JSON object")
+    try:
+        body = _decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequestBody(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequestBody(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def encode_body(body: Mapping[str, Any]) -> bytes:
+    return msgspec.json.encode(body)
+
+
+def is_stream(body: Mapping[str, Any]) -> bool:
+    return body.get("stream") is True
+
+
+def request_id(headers: Mapping[str, str]) -> str:
+    """The client's ``X-Request-Id`` if it sent one, else a fresh id.
+
+    Both legs carry the same id: vLLM derives its request ids from it, and P's daemon
+    pairs D's registration with P's blocks by that id.
+    """
+    given = headers.get(REQUEST_ID_HEADER, "").strip()
+    return given or uuid.uuid4().hex
+
+
+def prefill_body(body: Mapping[str, Any], endpoint: str) -> dict[str, Any]:
+    """P's request: the client's, cut to one token, not streamed, KV kept for D."""
+    leg = dict(body)
+    leg["max_tokens"] = 1
+    if endpoint == CHAT and "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    # vLLM rejects min_tokens > max_tokens; P's one token is thrown away anyway.
+    leg.pop("min_tokens", None)
+    leg["stream"] = False
+    leg.pop("stream_options", None)
+    leg["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    return leg
+
+
+def decode_body(body: Mapping[str, Any], prefill: PrefillCoordinates, remote_tp_size: int) -> dict[str, Any]:
+    """D's request: the client's unchanged, plus where P's KV comes from."""
+    leg = dict(body)
+    leg["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": prefill.engine_id,
+        "remote_host": prefill.side_channel_host,
+        "remote_port": prefill.side_channel_port,
+        "remote_tp_size": remote_tp_size,
+    }
+    return leg
+
+
+def error_body(message: str, type_: str, code: int) -> dict[str, Any]:
+    """The OpenAI error shape."""
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+def error_sse_event(message: str, type_: str, code: int) -> bytes:
+    """An error inside an already-started SSE stream (vLLM reports mid-stream errors so)."""
+    return b"data: " + msgspec.json.encode(error_body(message, type_, code)) + b"\n\n"
+
+
+_MAX_MESSAGE = 2000
+
+
+def backend_error_message(raw: bytes) -> tuple[str, str | None]:
+    """(message, type) from a backend's error body, in any shape vLLM or FastAPI use."""
+    try:
+        doc = _decoder.decode(raw)
+    except msgspec.DecodeError:
+        doc = None
+    if isinstance(doc, dict):
+        inner = doc.get("error")
+        err = inner if isinstance(inner, dict) else doc
+        message = err.get("message")
+        if message is None and isinstance(doc.get("detail"), str):
+            message = doc["detail"]
+        if isinstance(message, str) and message:
+            type_ = err.get("type")
+            return message[:_MAX_MESSAGE], type_ if isinstance(type_, str) and type_ else None
+    text = raw.decode("utf-8", errors="replace").strip()
+    return (text[:_MAX_MESSAGE] or "(empty response body)"), None

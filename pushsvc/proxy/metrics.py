@@ -1,0 +1,51 @@
+"""Prometheus metrics of the proxy, named once here, in a registry of their own per app."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+# TTFT through P/D spans milliseconds (tiny models) to minutes (long prompts, busy P).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pushsvc_proxy_requests", "Client requests by endpoint and status (499: client left)",
+            ["endpoint", "status"], registry=r,
+        )
+        self.backend_errors = Counter(
+            "pushsvc_proxy_backend_errors",
+            "Failed backend calls by leg (prefill, decode, daemon, models) and kind "
+            "(connect, timeout, status, disconnect, protocol)",
+            ["leg", "kind"], registry=r,
+        )
+        # Every series exists from the start, so rate() and absent-series alerts work at once.
+        for leg in ("prefill", "decode", "daemon", "models"):
+            for kind in ("connect", "timeout", "status", "disconnect", "protocol"):
+                self.backend_errors.labels(leg, kind)
+        self.ttft_seconds = Histogram(
+            "pushsvc_proxy_ttft_seconds", "Streamed requests: arrival to first decode chunk sent",
+            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.request_seconds = Histogram(
+            "pushsvc_proxy_request_seconds", "Generation requests: arrival to last byte sent",
+            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.outstanding = Gauge(
+            "pushsvc_proxy_outstanding", "Requests in flight per backend", ["role", "backend"], registry=r,
+        )
+        self.healthy = Gauge(
+            "pushsvc_proxy_backend_healthy", "1 if the backend is considered healthy", ["role", "backend"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
