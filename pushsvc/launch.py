@@ -95,19 +95,28 @@ class Stack:
         proc.url = f"http://127.0.0.1:{proc.info['health_port']}"
         return proc
 
-    def vllm(self, name: str, model: str, port: int, *, kv_transfer_config: dict | None = None,
-             extra: tuple[str, ...] = (), timeout: float = 300) -> Proc:
+    def vllm(self, name: str, model: str, port: int = 0, *, kv_transfer_config: dict | None = None,
+             cpus: str = "", extra: tuple[str, ...] = (), timeout: float = 300) -> Proc:
+        """A vLLM CPU OpenAI server. ``cpus`` pins its worker threads (e.g. "1"); eager
+        mode because vLLM's compile cache does not reload under this torch build
+        (every start would recompile for 20-45 s)."""
+        port = port or free_port()
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
                 "--host", "127.0.0.1", "--max-model-len", "4096", "--dtype", "bfloat16", "--seed", "0",
-                "--disable-log-stats", *extra]
+                "--enforce-eager", "--disable-log-stats", *extra]
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        proc = self._spawn(name, argv, {**VLLM_ENV, "VLLM_LOGGING_LEVEL": self.vllm_log_level})
+        env = {**VLLM_ENV, "VLLM_LOGGING_LEVEL": self.vllm_log_level}
+        if cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+        proc = self._spawn(name, argv, env)
         proc.url = f"http://127.0.0.1:{port}"
         self._wait(proc, lambda: _ok(f"{proc.url}/health"), timeout)
         return proc
 
-    def proxy(self, name: str, port: int, prefill: list[Proc], prefill_daemons: list[Proc], decode: list[Proc]) -> Proc:
+    def proxy(self, name: str, prefill: list[Proc], prefill_daemons: list[Proc], decode: list[Proc],
+              port: int = 0) -> Proc:
+        port = port or free_port()
         argv = [sys.executable, "-m", "pushsvc", "proxy", "--port", str(port), "--host", "127.0.0.1"]
         for p in prefill:
             argv += ["--prefill", p.url]
@@ -152,6 +161,15 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (the caller binds it soon after)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _ok(url: str) -> bool:
