@@ -34,6 +34,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watchdog-s", dest="watchdog_s", type=float)
     p.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
     p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--verify", dest="verify", action="store_true", default=None,
+                   help="KV verify mode: digest pushed blocks on P, check them on D")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--ready-file", help="write /v1/info JSON here once the daemon is ready")
 
@@ -69,7 +71,7 @@ _PROXY_FIELDS = ("prefill", "prefill_daemon", "decode", "port", "host", "timeout
 
 
 _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_port", "side_channel_host",
-              "side_channel_port", "advertised_host", "lease_s", "watchdog_s", "log_format", "log_level")
+              "side_channel_port", "advertised_host", "lease_s", "watchdog_s", "log_format", "log_level", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:

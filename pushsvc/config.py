@@ -78,6 +78,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Logging and debugging.
     log_format: str = "auto"
     log_level: str = "info"
+    # Digest every pushed block on P and check it on D (costs a hash pass over the KV).
+    verify: bool = False
 
     def resolve(self, env: Mapping[str, str] | None = None) -> Config:
         """Return a copy with derived defaults filled in; a resolved config is a fixed point."""

@@ -45,6 +45,10 @@ class Metrics:
         self.agents = Gauge("pushsvc_agents", "Local NIXL agents", registry=r)
         self.inflight_writes = Gauge("pushsvc_inflight_writes", "WRITE handles not yet settled", registry=r)
         self.worker_messages = Counter("pushsvc_worker_messages", "Worker messages by type", ["type"], registry=r)
+        self.verified = Counter(
+            "pushsvc_verify", "Verify mode: pushes checked on D, by result (identical, mismatch, missing)",
+            ["result"], registry=r)
+        self.verified_blocks = Counter("pushsvc_verify_blocks", "Blocks checked on D, by result", ["result"], registry=r)
         self.notifications = Counter("pushsvc_notifications", "NIXL notifications by kind", ["kind"], registry=r)
 
     def render(self) -> bytes:

@@ -79,6 +79,10 @@ class FakeAgent:
                 if s_len != d_len:
                     raise TransferError("descriptor length mismatch")
                 ctypes.memmove(int(d_addr), int(s_addr), int(s_len))
+            if self.engine.corrupt_writes and len(remote_idx):
+                self.engine.corrupt_writes -= 1
+                byte = ctypes.c_ubyte.from_address(int(dst[remote_idx[0]][0]))
+                byte.value ^= 0xFF
             target = self.engine.agents.get(target_name)
             if target is not None and notif:
                 target.inbox[self.name].append(notif)
@@ -122,6 +126,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.agents: dict[str, FakeAgent] = {}
         self.fail_next_write = 0
+        self.corrupt_writes = 0  # flip one byte of the next N WRITEs' destinations
         self.hold_writes = False
         self.held: list[_Xfer] = []
 

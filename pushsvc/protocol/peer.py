@@ -93,6 +93,8 @@ class WriteStarted(msgspec.Struct, tag="writing", **_opts):
     request_id: Name
     rank: U32
     nbytes: U64 = 0
+    # Verify mode: xxh3-64 of each source block, little-endian, in WRITE order.
+    digests: Annotated[bytes, msgspec.Meta(max_length=8 << 24)] = b""
 
 
 class Heartbeat(msgspec.Struct, tag="hb", **_opts):

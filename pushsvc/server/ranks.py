@@ -40,12 +40,15 @@ class LocalRank:
     regions: list[Region] = field(default_factory=list)
     buffers: list[SharedBuffer] = field(default_factory=list)
     local_dlist: Any = None
+    local_descs: Any = None  # Nx3 numpy table behind local_dlist (address, length, device)
     remote_dlists: dict[str, Any] = field(default_factory=dict)  # remote agent -> prepped list
     remote_checked: dict[str, str] = field(default_factory=dict)  # remote agent -> "" ok / error
     inflight: dict[str, Inflight] = field(default_factory=dict)  # by P request id
     staged_at: dict[str, float] = field(default_factory=dict)
     registered_at: dict[str, float] = field(default_factory=dict)  # D request id -> time
     incoming: dict[str, float] = field(default_factory=dict)  # D request id -> WRITE announced at
+    digests: dict[str, bytes] = field(default_factory=dict)  # verify: P's digests by D request id
+    landed: dict[str, Any] = field(default_factory=dict)  # verify: completed, waiting for digests
 
     @property
     def ready(self) -> bool:
@@ -58,6 +61,8 @@ class LocalRank:
     def forget_recv(self, request_id: str) -> float | None:
         """Drop the D-side timing of a request that reached its final event."""
         self.incoming.pop(request_id, None)
+        self.digests.pop(request_id, None)
+        self.landed.pop(request_id, None)
         return self.registered_at.pop(request_id, None)
 
     def hot(self, now: float, hot_max_s: float) -> bool:
@@ -67,7 +72,9 @@ class LocalRank:
         return any(now - t < hot_max_s for t in self.incoming.values())
 
     def sizes(self) -> dict[str, int]:
-        return {**self.producer.sizes(), **self.consumer.sizes(), "inflight": len(self.inflight)}
+        sizes = {**self.producer.sizes(), **self.consumer.sizes(), "inflight": len(self.inflight)}
+        sizes["d_pending"] += len(self.landed)  # verify: landed, digests still on the way
+        return sizes
 
     def __repr__(self) -> str:
         return f"<LocalRank {self.engine_id}/r{self.rank} role={self.role} agent={self.agent.name} {self.sizes()}>"

@@ -18,7 +18,8 @@ from pushsvc.protocol import worker as wp
 from pushsvc.server.peers import Peer
 from pushsvc.server.ranks import LocalRank
 from pushsvc.state.consumer import CompletionOutcome, PendingRecv, RecvState, Remote
-from pushsvc.state.layout import check_block_ids
+from pushsvc.server.verify import count_mismatches, digest_blocks
+from pushsvc.state.layout import check_block_ids, dest_indices
 
 log = structlog.get_logger("pushsvc.recv")
 
@@ -125,10 +126,42 @@ class ReceiveSide:
             self._tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
                                            reason=_final_reason(entry.reason, self.config.watchdog_s)))
         elif outcome is CompletionOutcome.DONE:
-            started = rank.forget_recv(rid)
-            if started is not None:
-                self.metrics.recv_seconds.observe(asyncio.get_running_loop().time() - started)
-            self._tell(rank, wp.RecvDone(request_id=rid))
+            self._finish_recv(rank, entry)
+
+    def _finish_recv(self, rank: LocalRank, entry: PendingRecv) -> None:
+        """Every WRITE into this request landed. In verify mode, compare D's blocks with
+        P's digests first (waiting for them if the completion overtook them)."""
+        rid = entry.request_id
+        now = asyncio.get_running_loop().time()
+        if self.config.verify:
+            expected = rank.digests.pop(rid, None)
+            if expected is None:
+                rank.landed[rid] = (entry, now)
+                return
+            result = self._verify(rank, entry, expected)
+            if result:
+                rank.forget_recv(rid)
+                self.metrics.failures.labels("verify").inc()
+                log.error("verify_failed", request_id=rid, rank=rank.rank, peer=entry.remote.engine_id, error=result)
+                self._tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids, reason=f"verify: {result}"))
+                return
+        started = rank.forget_recv(rid)
+        if started is not None:
+            self.metrics.recv_seconds.observe(now - started)
+        self._tell(rank, wp.RecvDone(request_id=rid))
+
+    def _verify(self, rank: LocalRank, entry: PendingRecv, expected: bytes) -> str:
+        """'' if D's blocks equal P's, else what is wrong."""
+        if not expected:
+            self.metrics.verified.labels("missing").inc()
+            return "P sent no digests (is P's daemon running with verify on?)"
+        actual = digest_blocks(rank.local_descs, dest_indices(rank.layout, entry.block_ids))
+        bad = count_mismatches(expected, actual)
+        total = len(actual) // 8
+        self.metrics.verified_blocks.labels("mismatch").inc(bad)
+        self.metrics.verified_blocks.labels("identical").inc(max(0, total - bad))
+        self.metrics.verified.labels("mismatch" if bad else "identical").inc()
+        return f"{bad} of {total} blocks differ from P's" if bad else ""
 
     def push_failed(self, peer: Peer, msg: pp.PushFailed) -> None:
         rank = self.ranks.get(msg.rank)
@@ -140,9 +173,18 @@ class ReceiveSide:
 
     def write_started(self, peer: Peer, msg: pp.WriteStarted) -> None:
         rank = self.ranks.get(msg.rank)
+        if rank is not None and self.config.verify:
+            landed = rank.landed.get(msg.request_id)
+            if landed is not None and landed[0].remote.engine_id == peer.engine_id:
+                del rank.landed[msg.request_id]  # the completion overtook the digests
+                rank.digests[msg.request_id] = msg.digests
+                self._finish_recv(rank, landed[0])
+                return
         entry = rank.consumer.pending.get(msg.request_id) if rank else None
         if rank is None or entry is None or entry.remote.engine_id != peer.engine_id:
             return  # finished or failed already
+        if self.config.verify:
+            rank.digests[msg.request_id] = msg.digests
         rank.incoming[msg.request_id] = asyncio.get_running_loop().time()
         log.debug("write_announced", request_id=msg.request_id, peer=peer.engine_id, bytes=msg.nbytes)
         self.wake()

@@ -19,6 +19,7 @@ from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
 from pushsvc.server.peers import Peer
 from pushsvc.server.ranks import Inflight, LocalRank, layout_of_agent
+from pushsvc.server.verify import digest_blocks
 from pushsvc.state.layout import Layout, check_block_ids, check_compatible, plan_write
 from pushsvc.state.producer import Match, RegOutcome, StageOutcome
 
@@ -123,6 +124,7 @@ class SendSide:
         try:
             remote_layout = self._remote_layout(rank, target)
             plan = plan_write(rank.layout, remote_layout, match.block_ids, reg.local_block_ids)
+            digests = digest_blocks(rank.local_descs, plan.src_indices) if self.config.verify else b""
             handle, state = rank.agent.write(
                 rank.local_dlist, plan.src_indices, rank.remote_dlists[target.agent_name], plan.dst_indices,
                 notif.encode_completion(reg.request_id, rank.tp_size),
@@ -141,9 +143,10 @@ class SendSide:
         self.metrics.transfer_blocks.inc(plan.logical_blocks)
         log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=plan.nbytes,
                   descriptors=len(plan.src_indices))
-        if state is XferState.PROC:
-            self.peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank, nbytes=plan.nbytes))
-        else:
+        if state is XferState.PROC or digests:
+            self.peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank, nbytes=plan.nbytes,
+                                                  digests=digests))
+        if state is not XferState.PROC:
             self._settle(rank, rank.inflight[match.request_id], state, now)
         self.wake()
 

@@ -148,7 +148,8 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                     raise LayoutError(f"region ends at {end}, past buffer {r.buffer} of {buffers[r.buffer].size} bytes")
             rank.agent.register([(b.address, b.size) for b in buffers], "DRAM")
             layout = layout_from_regions(msg.regions, [b.address for b in buffers], msg.blocks_per_logical)
-            rank.local_dlist = rank.agent.prep_local(descriptor_table(layout), "DRAM")
+            rank.local_descs = descriptor_table(layout)
+            rank.local_dlist = rank.agent.prep_local(rank.local_descs, "DRAM")
         except BaseException:
             for b in buffers:
                 b.close()
@@ -306,6 +307,14 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                 else:
                     self.metrics.failures.labels("registration_expired").inc()
                     log.info("registration_expired", request_id=exp.request_id, peer=exp.sender)
+            for rid, (entry, landed_at) in list(rank.landed.items()):
+                if now - landed_at >= self.config.peer_timeout_s:
+                    changed = True
+                    rank.forget_recv(rid)
+                    self.metrics.verified.labels("missing").inc()
+                    self.metrics.failures.labels("verify").inc()
+                    self._tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
+                                                   reason="verify: P's digests never arrived"))
             for entry in rank.consumer.expire(now):
                 changed = True
                 if entry.state is RecvState.CANCELLING and entry.request_id in rank.consumer.pending:

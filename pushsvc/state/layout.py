@@ -100,6 +100,19 @@ def _expand(ids: list[int], per_logical: int) -> np.ndarray:
     return (base[:, None] + np.arange(per_logical, dtype=np.int64)).reshape(-1)
 
 
+def dest_indices(dst: Layout, dst_blocks: list[list[int]]) -> np.ndarray:
+    """D's descriptor indices for ``dst_blocks``, in the order ``plan_write`` pairs them
+    (regions in order, blocks in order): what D's daemon checks a WRITE against."""
+    parts = []
+    offset = 0
+    for reg in dst.regions:
+        ids = dst_blocks[reg.group] if reg.group < len(dst_blocks) else []
+        if ids:
+            parts.append(_expand(ids, dst.blocks_per_logical) + offset)
+        offset += reg.num_blocks
+    return np.concatenate(parts).astype(np.int32) if parts else np.empty(0, dtype=np.int32)
+
+
 def plan_write(
     src: Layout, dst: Layout, src_blocks: list[list[int]], dst_blocks: list[list[int]]
 ) -> WritePlan:

@@ -216,3 +216,20 @@ def test_tensor_parallel_ranks_each_get_their_own_agent(spawn):
                 assert digests[region][d_block] == want
     assert P.metric("pushsvc_transfers_total", result="done") == 2
     assert _tables_empty(P, D)
+
+
+def test_verify_mode_with_real_nixl(spawn):
+    P, D, pw, dw = _pair(spawn, p_extra=("--verify",), d_extra=("--verify",))
+    mapping = {}
+    for i in range(4):
+        p_ids, d_ids = [2 * i, 2 * i + 1], [10 + i, 30 - i]
+        mapping.update(zip(d_ids, p_ids))
+        _recv(dw, P, f"v{i}", d_ids)
+        pw.call("ready", request_id=f"v{i}", block_ids=[p_ids])
+    for i in range(4):
+        assert dw.wait(f"v{i}")["type"] == "RecvDone"
+    assert dw.digests() == _expected_d(mapping)
+    assert D.metric("pushsvc_verify_total", result="identical") == 4
+    assert D.metric("pushsvc_verify_total", result="mismatch") == 0
+    assert D.metric("pushsvc_verify_blocks_total", result="identical") == 4 * 2 * 2 * LAYERS
+    assert _tables_empty(P, D)

@@ -11,6 +11,7 @@ import socket
 import numpy as np
 import pytest
 from daemon_fixtures import (
+    REGIONS,
     WAIT_S,
     PushPair,
     assert_tables_empty,
@@ -427,4 +428,36 @@ async def test_push_reg_with_blocks_outside_d_is_refused_before_any_write() -> N
         assert np.array_equal(pair.dw.snapshot(), before)  # no byte of D changed
         pair.pw.send(wp.Evict(request_ids=["forged"]))
         assert (await pair.pw.wait_for(wp.SendFailed, "forged")).reason == "cancelled"
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("corrupt", [False, True], ids=["identical", "corrupted"])
+async def test_verify_mode_checks_every_pushed_block(corrupt: bool) -> None:
+    async with push_pair(p_config={"verify": True}, d_config={"verify": True}) as pair:
+        pair.fake.corrupt_writes = int(corrupt)
+        pair.register_recv(D_ID, [3, 4, 9])
+        pair.send_ready(P_ID, [0, 1, 2])
+        event = await pair.dw.wait_for((wp.RecvDone, wp.RecvFailed), D_ID)
+        await pair.pw.wait_for(wp.SendDone, P_ID)
+        if corrupt:
+            assert isinstance(event, wp.RecvFailed)
+            assert event.reason.startswith("verify: 1 of ") and event.block_ids == [3, 4, 9]
+            assert metric(pair.d, "pushsvc_verify_total", result="mismatch") == 1
+            assert metric(pair.d, "pushsvc_verify_blocks_total", result="mismatch") == 1
+        else:
+            assert isinstance(event, wp.RecvDone)
+            assert metric(pair.d, "pushsvc_verify_total", result="identical") == 1
+            assert metric(pair.d, "pushsvc_verify_blocks_total", result="identical") == 3 * REGIONS
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_verify_on_d_without_digests_from_p_fails_clearly() -> None:
+    # P is not in verify mode: its WRITE completes at once and no digests ever come.
+    async with push_pair(d_config={"verify": True, "peer_timeout_s": 1.0, "heartbeat_interval_s": 0.2}) as pair:
+        pair.register_recv(D_ID, [3])
+        pair.send_ready(P_ID, [0])
+        event = await pair.dw.wait_for((wp.RecvDone, wp.RecvFailed), D_ID)
+        assert isinstance(event, wp.RecvFailed) and "verify" in event.reason
         await assert_tables_empty(pair.p, pair.d)
