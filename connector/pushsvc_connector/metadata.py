@@ -27,3 +27,8 @@ class PushsvcMetadata(KVConnectorMetadata):
     # No tokens scheduled this step: the engine is only stepping to hear about
     # transfers, so the worker may wait for the daemon instead of returning at once.
     idle: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return not (self.recvs or self.sends or self.evictions or self.dropped_recvs or self.expired_recvs
+                    or self.expired_sends)

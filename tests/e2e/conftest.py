@@ -1,0 +1,148 @@
+"""Fixtures of the end-to-end tests: a tiny model, reference outputs from a colocated vLLM,
+and one P/D stack (two daemons, vLLM P and D with the pushsvc connector, the proxy) that
+the whole module shares, because every vLLM server costs ~45 s of start-up on this host.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import Outcome, Req, RequestSets, build_requests, generate_all
+from pushsvc.launch import Proc, Stack, connector_config
+from pushsvc.tinymodel import ensure_tiny_model
+
+MODEL_DIR = "/tmp/pushsvc-e2e-model"  # ensure_tiny_model is idempotent: made once per host
+WATCHDOG_S = 20.0  # decode daemon: a registration with no push fails after this
+LEASE_S = 30.0  # prefill daemon: blocks no decoder claimed are released after this
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e: starts real vLLM servers, daemons and the proxy")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_importable() -> None:
+    """Fail, never skip, where vLLM cannot be imported: these tests are the only ones that
+    run the connector inside vLLM, and a skipped e2e suite reads as a green one."""
+    run = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    if run.returncode != 0:
+        pytest.fail(f"`import vllm` failed (install the [vllm] extra: make venv):\n{run.stderr[-3000:]}",
+                    pytrace=False)
+
+
+class E2EStack(Stack):
+    """``Stack`` with vLLM's statistics on: the tests read ``vllm:kv_cache_usage_perc`` and
+    ``vllm:prefix_cache_hits`` from /metrics, which ``--disable-log-stats`` removes."""
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        return super()._spawn(name, [a for a in argv if a != "--disable-log-stats"], env)
+
+
+@dataclass
+class PD:
+    """The running P/D deployment. Tests that restart or kill a process update it."""
+
+    stack: E2EStack
+    model: str
+    requests: RequestSets
+    refs: dict[str, Outcome]
+    daemon_flags: dict[str, tuple[str, ...]]
+    verify: bool
+    prefill_daemon: Proc
+    decode_daemon: Proc
+    prefill: Proc
+    decode: Proc
+    proxy: Proc
+
+    def req(self, name: str) -> Req:
+        return next(r for r in self.requests.all() if r.name == name)
+
+    def daemon_urls(self) -> dict[str, str]:
+        return {"prefill": self.prefill_daemon.url, "decode": self.decode_daemon.url}
+
+    def restart_daemon(self, name: str) -> Proc:
+        """Start daemon ``name`` again on the same runtime dir, so on the same socket path."""
+        proc = self.stack.daemon(name, *self.daemon_flags[name])
+        setattr(self, f"{name}_daemon", proc)
+        return proc
+
+    def logs(self, n: int = 30) -> str:
+        return "\n".join(f"--- {p.name} ({p.log})\n{p.tail(n)}" for p in self.stack.procs)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return ensure_tiny_model(MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _daemon_supports(flag: str) -> bool:
+    run = subprocess.run([sys.executable, "-m", "pushsvc", "serve", "--help"], capture_output=True, text=True,
+                         timeout=60, check=True)
+    return flag in run.stdout
+
+
+def _start_in_parallel(**starters: Any) -> dict[str, Proc]:
+    """vLLM start-up is mostly waiting (imports, engine init): overlap two of them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(starters)) as pool:
+        futures = {name: pool.submit(start) for name, start in starters.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.fixture(scope="session")
+def pd(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> Any:
+    workdir = Path(tempfile.mkdtemp(prefix="pse2e-"))  # short: Unix socket paths live under it
+    progress = print  # shown with -s, and in the report of a failed test's setup
+    reqs = build_requests(tokenizer, model_path)
+    verify = _daemon_supports("--verify")
+    with E2EStack(workdir, progress=progress) as st:
+        started = time.monotonic()
+        colocated = st.vllm("vllm-colocated", model_path)
+        refs = generate_all(colocated.url, reqs.all())
+        bad = {name: str(o) for name, o in refs.items() if not o.ok or len(o.tokens) != o_len(reqs, name)}
+        assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
+        st.stop(colocated)  # free both cores before P and D start
+        progress(f"  reference outputs in {time.monotonic() - started:.1f}s")
+
+        common = ("--verify",) if verify else ()
+        flags = {"prefill": ("--lease-s", str(LEASE_S), *common),
+                 "decode": ("--watchdog-s", str(WATCHDOG_S), *common)}
+        pdaemon = st.daemon("prefill", *flags["prefill"])
+        ddaemon = st.daemon("decode", *flags["decode"])
+        servers = _start_in_parallel(
+            prefill=lambda: st.vllm("vllm-p", model_path, kv_transfer_config=connector_config("kv_producer", pdaemon),
+                                    cpus="0"),
+            decode=lambda: st.vllm("vllm-d", model_path, kv_transfer_config=connector_config("kv_consumer", ddaemon),
+                                   cpus="1"),
+        )
+        proxy = st.proxy("proxy", prefill=[servers["prefill"]], prefill_daemons=[pdaemon],
+                         decode=[servers["decode"]])
+        progress(f"  P/D stack up {time.monotonic() - started:.1f}s after the start (workdir {workdir})")
+        yield PD(st, model_path, reqs, refs, flags, verify, pdaemon, ddaemon, servers["prefill"],
+                 servers["decode"], proxy)
+    if request.session.testsfailed == 0:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        print(f"e2e logs kept in {workdir}")
+
+
+def o_len(reqs: RequestSets, name: str) -> int:
+    req = next(r for r in reqs.all() if r.name == name)
+    return int(req.body["max_tokens"])

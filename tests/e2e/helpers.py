@@ -1,0 +1,424 @@
+"""Helpers of the end-to-end tests: prompts, requests, HTTP calls, metrics, polling.
+
+Plain blocking code (stdlib HTTP, threads for concurrency): the tests drive real servers and
+spend their time waiting on them, not on the client.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
+
+T = TypeVar("T")
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MAX_TOKENS = 16
+HTTP_TIMEOUT_S = 120.0
+
+
+class Tokenizer(Protocol):
+    def __call__(self, text: str) -> Any: ...
+
+
+# ---------------------------------------------------------------------------- prompts
+
+_WORDS = """the of and to in is it that was for on are with as his they be at one have this from or had by
+word but what some we can out other were all there when up use your how said an each she which do their
+time if will way about many then them write would like so these her long make thing see him two has look
+more day could go come did number sound no most people my over know water than call first who may down side
+been now find any new work part take get place made live where after back little only round man year came
+show every good me give our under name very through just form sentence great think say help low line differ
+turn cause much mean before move right boy old too same tell does set three want air well also play small
+end put home read hand port large spell add even land here must big high such follow act why ask men change
+went light kind off need house picture try us again animal point mother world near build self earth father
+river garden window letter morning evening story music market winter summer doctor teacher village mountain
+""".split()
+
+
+def english_words(seed: int, n: int) -> list[str]:
+    """``n`` words of English-like text (sentences with capitals and punctuation), fixed by ``seed``."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    while len(out) < n:
+        sentence = rng.choices(_WORDS, k=rng.randint(5, 14))
+        sentence[0] = sentence[0].capitalize()
+        sentence[-1] += rng.choice([".", ".", ".", ",", "?", "!"])
+        out += sentence
+    return out[:n]
+
+
+def count_tokens(tokenizer: Tokenizer, text: str) -> int:
+    """Prompt tokens as vLLM counts them for /v1/completions (the BOS included)."""
+    return len(tokenizer(text)["input_ids"])
+
+
+def text_with_tokens(tokenizer: Tokenizer, target: int, seed: int) -> str:
+    """English-like text of ``target`` prompt tokens (exactly, when a suffix gets it there)."""
+    words = english_words(seed, target + 8)  # every word is at least one token
+    lo, hi = 1, len(words)  # the largest prefix of words within the target
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count_tokens(tokenizer, " ".join(words[:mid])) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    text = " ".join(words[:lo])
+    for _ in range(4):  # close the gap with short suffixes, one token at a time
+        have = count_tokens(tokenizer, text)
+        if have >= target:
+            break
+        for suffix in (".", ",", " a", " I", "!", " x", " 7"):
+            if count_tokens(tokenizer, text + suffix) == have + 1:
+                text += suffix
+                break
+        else:
+            break
+    return text
+
+
+# The outputs test's prompt lengths (tokens): short ones, each side of the 128-token KV
+# block (the last block is partial or exactly full), and long ones up to 1500.
+PROMPT_LENGTHS = (5, 8, 13, 21, 34, 55, 89, 127, 128, 129, 200, 255, 256, 257, 384, 500, 640, 767, 768, 900,
+                  1024, 1200, 1400, 1500)
+
+
+@dataclass(frozen=True)
+class Req:
+    """One generation request: where it goes and the body sent (the same to every server)."""
+
+    name: str
+    path: str
+    body: dict[str, Any]
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    def with_body(self, **changes: Any) -> Req:
+        return Req(self.name, self.path, {**self.body, **changes})
+
+
+def completion(name: str, model: str, prompt: str, *, stream: bool = False, max_tokens: int = MAX_TOKENS) -> Req:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "return_token_ids": True}
+    if stream:
+        body["stream"] = True
+    return Req(name, COMPLETIONS, body)
+
+
+def chat(name: str, model: str, content: str, *, stream: bool = False, max_tokens: int = MAX_TOKENS) -> Req:
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}],
+                            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    if stream:
+        body["stream"] = True
+    return Req(name, CHAT, body)
+
+
+@dataclass
+class RequestSets:
+    """Every request whose colocated output some test compares against."""
+
+    outputs: list[Req]  # test_outputs_match_colocated, sent concurrently
+    prefix: list[Req]  # test_prefix_cache_hit_on_d, sent in order
+    shared_prefix_tokens: int  # tokens the last prefix request shares with the first
+    later: list[Req]  # restart and P-killed tests
+
+    def all(self) -> list[Req]:
+        return [*self.outputs, *self.prefix, *self.later]
+
+
+def build_requests(tokenizer: Tokenizer, model: str) -> RequestSets:
+    prompts = [text_with_tokens(tokenizer, n, seed=1000 + i) for i, n in enumerate(PROMPT_LENGTHS)]
+    outputs = [completion(f"cmpl-{n}", model, p) for n, p in zip(PROMPT_LENGTHS, prompts)]
+    outputs += [
+        chat("chat-40", model, text_with_tokens(tokenizer, 40, seed=2001)),
+        chat("chat-700", model, text_with_tokens(tokenizer, 700, seed=2002)),
+        chat("chat-stream-300", model, text_with_tokens(tokenizer, 300, seed=2003), stream=True),
+        completion("cmpl-stream-60", model, text_with_tokens(tokenizer, 60, seed=2004), stream=True),
+        completion("cmpl-stream-1100", model, text_with_tokens(tokenizer, 1100, seed=2005), stream=True),
+    ]
+    # A long prompt twice, then one sharing its first ~1000 tokens (a new tail).
+    long_text = text_with_tokens(tokenizer, 1200, seed=3001)
+    head = text_with_tokens(tokenizer, 1000, seed=3001)
+    assert long_text.startswith(head)
+    branch = head + " " + " ".join(english_words(3002, 150))
+    long_ids, branch_ids = tokenizer(long_text)["input_ids"], tokenizer(branch)["input_ids"]
+    shared = next((i for i, (a, b) in enumerate(zip(long_ids, branch_ids)) if a != b), min(len(long_ids),
+                                                                                          len(branch_ids)))
+    prefix = [completion("prefix-long", model, long_text), completion("prefix-long-again", model, long_text),
+              completion("prefix-branch", model, branch)]
+    later = [completion(f"later-{n}", model, text_with_tokens(tokenizer, n, seed=4000 + n)) for n in (30, 300, 900)]
+    return RequestSets(outputs, prefix, shared, later)
+
+
+# ---------------------------------------------------------------------------- HTTP
+
+
+@dataclass
+class Outcome:
+    """What a generation request got back."""
+
+    status: int
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    error: str = ""  # an error body, or an error event inside a stream
+    elapsed_s: float = 0.0
+    body: Any = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
+
+    def __str__(self) -> str:
+        what = f"tokens={self.tokens}" if self.ok else f"error={self.error[:300]!r}"
+        return f"<{self.status} in {self.elapsed_s:.2f}s {what}>"
+
+
+def _request(url: str, body: dict[str, Any] | None, headers: dict[str, str] | None) -> urllib.request.Request:
+    data = None if body is None else json.dumps(body).encode()
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    return urllib.request.Request(url, data=data, headers=hdrs, method="GET" if body is None else "POST")
+
+
+def http_get(url: str, timeout: float = 10.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    status, text = http_get(url, timeout)
+    assert status == 200, f"GET {url}: {status} {text[:500]}"
+    return json.loads(text)
+
+
+def _error_of(doc: Any) -> str:
+    if isinstance(doc, dict) and "error" in doc:
+        err = doc["error"]
+        return json.dumps(err) if not isinstance(err, str) else err
+    return ""
+
+
+def _tokens_of(choice: dict[str, Any]) -> tuple[list[int], str]:
+    text = choice.get("text")
+    if text is None:
+        text = (choice.get("message") or choice.get("delta") or {}).get("content") or ""
+    return list(choice.get("token_ids") or ()), text
+
+
+def generate(base_url: str, req: Req, *, timeout: float = HTTP_TIMEOUT_S, request_id: str | None = None) -> Outcome:
+    """Send ``req`` to ``base_url`` and collect the generated token ids, streamed or not.
+
+    Never raises for an HTTP error or a dropped connection: the outcome says what happened.
+    """
+    headers = {"X-Request-Id": request_id or f"e2e-{req.name}-{uuid.uuid4().hex[:8]}"}
+    started = time.monotonic()
+    out = Outcome(status=0)
+    try:
+        with urllib.request.urlopen(_request(base_url + req.path, req.body, headers), timeout=timeout) as r:
+            out.status = r.status
+            if req.stream:
+                _read_stream(r, out)
+            else:
+                doc = json.load(r)
+                out.body = doc
+                out.error = _error_of(doc)
+                if not out.error:
+                    out.tokens, out.text = _tokens_of(doc["choices"][0])
+    except urllib.error.HTTPError as exc:
+        out.status = exc.code
+        raw = exc.read().decode(errors="replace")
+        try:
+            out.body = json.loads(raw)
+            out.error = _error_of(out.body) or raw
+        except ValueError:
+            out.error = raw or f"HTTP {exc.code} with an empty body"
+    except (OSError, ValueError) as exc:  # refused, reset, timed out, truncated JSON
+        out.error = f"{type(exc).__name__}: {exc}"
+    out.elapsed_s = time.monotonic() - started
+    return out
+
+
+def _read_stream(response: Any, out: Outcome) -> None:
+    done = False
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            done = True
+            break
+        doc = json.loads(data)
+        if err := _error_of(doc):
+            out.error = err
+            continue
+        for choice in doc.get("choices") or ():
+            tokens, text = _tokens_of(choice)
+            out.tokens += tokens
+            out.text += text
+    if not done and not out.error:
+        out.error = "stream ended without [DONE]"
+
+
+def generate_all(base_url: str, reqs: Sequence[Req], concurrency: int = 8,
+                 timeout: float = HTTP_TIMEOUT_S) -> dict[str, Outcome]:
+    with ThreadPoolExecutor(concurrency) as pool:
+        outcomes = pool.map(lambda r: generate(base_url, r, timeout=timeout), reqs)
+        return {r.name: o for r, o in zip(reqs, outcomes)}
+
+
+def remote_prefill_params(prefill_daemon_info: dict[str, Any]) -> dict[str, Any]:
+    """A decode leg's ``kv_transfer_params`` naming a P daemon, as the proxy builds them."""
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": prefill_daemon_info["engine_id"],
+            "remote_host": prefill_daemon_info["side_channel_host"],
+            "remote_port": prefill_daemon_info["side_channel_port"], "remote_tp_size": 1}
+
+
+PREFILL_LEG_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def _raw_post(base_url: str, path: str, body: dict[str, Any], request_id: str) -> socket.socket:
+    url = urllib.parse.urlsplit(base_url)
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((url.hostname, url.port), timeout=10)
+    head = (f"POST {path} HTTP/1.1\r\nHost: {url.hostname}:{url.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nX-Request-Id: {request_id}\r\nConnection: close\r\n\r\n")
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def post_and_drop(base_url: str, req: Req, request_id: str, after_s: float = 0.0) -> None:
+    """Send ``req`` and close the connection ``after_s`` later, without reading the answer."""
+    sock = _raw_post(base_url, req.path, req.body, request_id)
+    try:
+        if after_s > 0:
+            time.sleep(after_s)
+    finally:
+        sock.close()
+
+
+def stream_and_drop(base_url: str, req: Req, request_id: str, timeout: float = 60.0) -> bytes:
+    """Send a streamed ``req``, read until the first SSE event, close the connection; the bytes read."""
+    assert req.stream
+    sock = _raw_post(base_url, req.path, req.body, request_id)
+    got = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while b"data:" not in got or not got.rstrip(b"\r\n ").endswith(b"}"):
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+            if b"\r\n\r\n" in got and not got.startswith(b"HTTP/1.1 200"):
+                break
+    finally:
+        sock.close()
+    return got
+
+
+# ---------------------------------------------------------------------------- metrics and state
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def scrape(base_url: str) -> list[Sample]:
+    status, text = http_get(base_url + "/metrics")
+    assert status == 200, f"GET {base_url}/metrics: {status}"
+    return [Sample(s.name, dict(s.labels), s.value)
+            for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def metric(samples: Iterable[Sample], name: str, **labels: str) -> float | None:
+    """Sum of the samples called ``name`` whose labels include ``labels``; None if there is none."""
+    found = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    return sum(found) if found else None
+
+
+def by_label(samples: Iterable[Sample], name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for s in samples:
+        if s.name == name and label in s.labels:
+            out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
+    return out
+
+
+def kv_usage(vllm_url: str) -> float:
+    """The vLLM server's KV cache usage gauge (0..1)."""
+    value = metric(scrape(vllm_url), "vllm:kv_cache_usage_perc")
+    assert value is not None, f"{vllm_url}/metrics has no vllm:kv_cache_usage_perc (are stats logged?)"
+    return value
+
+
+def prefix_cache_hits(vllm_url: str) -> float:
+    value = metric(scrape(vllm_url), "vllm:prefix_cache_hits_total")
+    assert value is not None, f"{vllm_url}/metrics has no vllm:prefix_cache_hits_total"
+    return value
+
+
+def verify_results(daemon_url: str) -> dict[str, float] | None:
+    """Verify mode's per-push counter by result (identical, mismatch, ...), None if the daemon has none."""
+    names = {s.name for s in scrape(daemon_url) if "verify" in s.name and s.name.endswith("_total")
+             and "block" not in s.name}
+    if not names:
+        return None
+    assert len(names) == 1, f"several per-push verify counters: {names}"
+    return by_label(scrape(daemon_url), names.pop(), "result")
+
+
+def tables(daemon_url: str) -> dict[str, int]:
+    return get_json(daemon_url + "/v1/info")["tables"]
+
+
+def wait_for(what: str, probe: Callable[[], T], done: Callable[[T], bool], timeout: float,
+             interval: float = 0.25) -> T:
+    """Poll ``probe`` until ``done`` says yes; fail with the last value after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if done(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: still {value!r} after {timeout:.0f}s")
+        time.sleep(interval)
+
+
+def wait_tables_zero(daemon_urls: dict[str, str], timeout: float) -> None:
+    for name, url in daemon_urls.items():
+        wait_for(f"{name} daemon tables", lambda u=url: tables(u), lambda t: not any(t.values()), timeout)
+
+
+def wait_kv_usage(vllm_urls: dict[str, str], at_most: dict[str, float], timeout: float) -> None:
+    for name, url in vllm_urls.items():
+        wait_for(f"{name} vLLM KV cache usage (baseline {at_most[name]})", lambda u=url: kv_usage(u),
+                 lambda v, b=at_most[name]: v <= b + 1e-9, timeout)
+
+
+def diverged_at(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token, None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
