@@ -82,10 +82,27 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="print a daemon's /v1/info, /readyz and table sizes")
     st.add_argument("--url", default="http://127.0.0.1:8471", help="daemon health endpoint")
     st.add_argument("--json", action="store_true")
-    demo = sub.add_parser("demo", help="local two-daemon push demo on loopback")
-    demo.add_argument("--requests", type=int, default=16)
-    demo.add_argument("--blocks", type=int, default=64, help="logical blocks per request")
+    _demo_parser(sub)
     return parser
+
+
+def _demo_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo", help="P/D vLLM with pushsvc next to colocated vLLM, on this machine",
+        description="Serve the same prompts through one colocated vLLM and through P/D (two vLLM servers, "
+                    "two pushsvc daemons, the proxy); compare outputs and TTFT. Exit 0 only if the outputs match.")
+    p.add_argument("--model-dir", dest="model_dir",
+                   help="the tiny model, made there if missing (default ~/.cache/pushsvc/tiny-llama)")
+    p.add_argument("--prompts", type=int, default=12, help="number of prompts (default 12)")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=32, help="tokens per answer (default 32)")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
+    p.add_argument("--workdir", help="logs and daemon sockets (default: a new temporary directory)")
+    p.add_argument("--keep-logs", dest="keep_logs", action="store_true",
+                   help="keep the work directory after a successful run (a failed run always keeps it)")
+    p.add_argument("--transfer-only", dest="transfer_only", action="store_true",
+                   help="only two daemons pushing between in-process workers, no vLLM (a few seconds)")
+    p.add_argument("--requests", type=int, default=16, help="with --transfer-only: pushes (default 16)")
+    p.add_argument("--blocks", type=int, default=64, help="with --transfer-only: blocks per push (default 64)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,10 +114,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "proxy":
         return _proxy(args)
     if args.command == "demo":
-        from pushsvc.demo import run_demo
-
-        return run_demo(requests=args.requests, blocks=args.blocks)
+        return _demo(args)
     return EXIT_CONFIG
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pushsvc.demo import DemoOptions, default_model_dir, run_demo
+
+    for flag in ("prompts", "max_tokens", "concurrency", "requests", "blocks"):
+        if getattr(args, flag) < 1:
+            print(f"pushsvc: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return EXIT_CONFIG
+    return run_demo(DemoOptions(
+        model_dir=args.model_dir or default_model_dir(Path.home()), prompts=args.prompts,
+        max_tokens=args.max_tokens, concurrency=args.concurrency, workdir=args.workdir, keep_logs=args.keep_logs,
+        transfer_only=args.transfer_only, requests=args.requests, blocks=args.blocks))
 
 
 def _serve(args: argparse.Namespace) -> int:

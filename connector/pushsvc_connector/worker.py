@@ -34,7 +34,8 @@ RECONNECT_INTERVAL_S = 1.0
 
 class PushWorker:
     def __init__(self, *, socket_path: str, rank: int, tp_size: int, role: wp.Role,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, reconnect_interval_s: float = RECONNECT_INTERVAL_S) -> None:
+        self.reconnect_interval_s = reconnect_interval_s
         self.client = DaemonClient(socket_path, engine_id="", rank=rank, tp_size=tp_size, role=role,
                                    timeout_s=connect_timeout_s)
         self._buffers: list[SharedBuffer] = []
@@ -56,7 +57,7 @@ class PushWorker:
         self._connect()
 
     def _connect(self) -> bool:
-        self._next_connect = time.monotonic() + RECONNECT_INTERVAL_S
+        self._next_connect = time.monotonic() + self.reconnect_interval_s
         try:
             welcome = self.client.connect()
             self.client.register_kv([b.fd for b in self._buffers], self._regions, self._blocks_per_logical)
@@ -186,7 +187,7 @@ class PushWorker:
                   exc, len(self._recving), len(self._sending))
         self._registered = False
         self.client.close()
-        self._next_connect = time.monotonic() + RECONNECT_INTERVAL_S
+        self._next_connect = time.monotonic() + self.reconnect_interval_s
         for rid in list(self._recving):
             self._fail_recv(rid, "pushsvc daemon went away")
         self._done_sending |= self._sending

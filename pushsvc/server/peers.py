@@ -214,6 +214,10 @@ class PeerManager:
                 peer = await asyncio.wait_for(self._hello(session), self._hs_timeout)
             except (OSError, TimeoutError, asyncio.IncompleteReadError, ProtocolError) as exc:
                 raise HandshakeError(f"handshake with {host}:{port} failed: {exc or type(exc).__name__}") from None
+        except asyncio.CancelledError:
+            if session is not None:
+                session.close()
+            raise
         except HandshakeError as exc:
             self._metrics.handshakes.labels("failed").inc()
             log.warning("peer_handshake_failed", peer=f"{host}:{port}", error=str(exc))

@@ -10,19 +10,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import LEASE_S, PD, WATCHDOG_S, E2EStack, build_requests, generate_all
 
-from helpers import Outcome, Req, RequestSets, build_requests, generate_all
-from pushsvc.launch import Proc, Stack, connector_config
+from pushsvc.launch import Proc, connector_config
 from pushsvc.tinymodel import ensure_tiny_model
 
 MODEL_DIR = "/tmp/pushsvc-e2e-model"  # ensure_tiny_model is idempotent: made once per host
-WATCHDOG_S = 20.0  # decode daemon: a registration with no push fails after this
-LEASE_S = 30.0  # prefill daemon: blocks no decoder claimed are released after this
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -33,50 +31,11 @@ def pytest_configure(config: pytest.Config) -> None:
 def vllm_importable() -> None:
     """Fail, never skip, where vLLM cannot be imported: these tests are the only ones that
     run the connector inside vLLM, and a skipped e2e suite reads as a green one."""
-    run = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300,
+                         check=False)
     if run.returncode != 0:
         pytest.fail(f"`import vllm` failed (install the [vllm] extra: make venv):\n{run.stderr[-3000:]}",
                     pytrace=False)
-
-
-class E2EStack(Stack):
-    """``Stack`` with vLLM's statistics on: the tests read ``vllm:kv_cache_usage_perc`` and
-    ``vllm:prefix_cache_hits`` from /metrics, which ``--disable-log-stats`` removes."""
-
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-        return super()._spawn(name, [a for a in argv if a != "--disable-log-stats"], env)
-
-
-@dataclass
-class PD:
-    """The running P/D deployment. Tests that restart or kill a process update it."""
-
-    stack: E2EStack
-    model: str
-    requests: RequestSets
-    refs: dict[str, Outcome]
-    daemon_flags: dict[str, tuple[str, ...]]
-    verify: bool
-    prefill_daemon: Proc
-    decode_daemon: Proc
-    prefill: Proc
-    decode: Proc
-    proxy: Proc
-
-    def req(self, name: str) -> Req:
-        return next(r for r in self.requests.all() if r.name == name)
-
-    def daemon_urls(self) -> dict[str, str]:
-        return {"prefill": self.prefill_daemon.url, "decode": self.decode_daemon.url}
-
-    def restart_daemon(self, name: str) -> Proc:
-        """Start daemon ``name`` again on the same runtime dir, so on the same socket path."""
-        proc = self.stack.daemon(name, *self.daemon_flags[name])
-        setattr(self, f"{name}_daemon", proc)
-        return proc
-
-    def logs(self, n: int = 30) -> str:
-        return "\n".join(f"--- {p.name} ({p.log})\n{p.tail(n)}" for p in self.stack.procs)
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +66,7 @@ def _start_in_parallel(**starters: Any) -> dict[str, Proc]:
 
 
 @pytest.fixture(scope="session")
-def pd(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> Any:
+def pd(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> Iterator[PD]:
     workdir = Path(tempfile.mkdtemp(prefix="pse2e-"))  # short: Unix socket paths live under it
     progress = print  # shown with -s, and in the report of a failed test's setup
     reqs = build_requests(tokenizer, model_path)
@@ -116,7 +75,8 @@ def pd(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> Any:
         started = time.monotonic()
         colocated = st.vllm("vllm-colocated", model_path)
         refs = generate_all(colocated.url, reqs.all())
-        bad = {name: str(o) for name, o in refs.items() if not o.ok or len(o.tokens) != o_len(reqs, name)}
+        bad = {r.name: str(refs[r.name]) for r in reqs.all()
+               if not refs[r.name].ok or len(refs[r.name].tokens) != r.body["max_tokens"]}
         assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
         st.stop(colocated)  # free both cores before P and D start
         progress(f"  reference outputs in {time.monotonic() - started:.1f}s")
@@ -142,7 +102,3 @@ def pd(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> Any:
     else:
         print(f"e2e logs kept in {workdir}")
 
-
-def o_len(reqs: RequestSets, name: str) -> int:
-    req = next(r for r in reqs.all() if r.name == name)
-    return int(req.body["max_tokens"])

@@ -21,7 +21,12 @@ from typing import Any, Protocol, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pushsvc.launch import Proc, Stack
+
 T = TypeVar("T")
+
+WATCHDOG_S = 20.0  # decode daemon: a registration with no push fails after this
+LEASE_S = 30.0  # prefill daemon: blocks no decoder claimed are released after this
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -35,17 +40,7 @@ class Tokenizer(Protocol):
 
 # ---------------------------------------------------------------------------- prompts
 
-_WORDS = """the of and to in is it that was for on are with as his they be at one have this from or had by
-word but what some we can out other were all there when up use your how said an each she which do their
-time if will way about many then them write would like so these her long make thing see him two has look
-more day could go come did number sound no most people my over know water than call first who may down side
-been now find any new work part take get place made live where after back little only round man year came
-show every good me give our under name very through just form sentence great think say help low line differ
-turn cause much mean before move right boy old too same tell does set three want air well also play small
-end put home read hand port large spell add even land here must big high such follow act why ask men change
-went light kind off need house picture try us again animal point mother world near build self earth father
-river garden window letter morning evening story music market winter summer doctor teacher village mountain
-""".split()
+_WORDS = ["the", "of", "and", "to", "in", "is", "it", "that", "was", "for", "on", "are", "with", "as", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said", "an", "each", "she", "which", "do", "their", "time", "if", "will", "way", "about", "many", "then", "them", "write", "would", "like", "so", "these", "her", "long", "make", "thing", "see", "him", "two", "has", "look", "more", "day", "could", "go", "come", "did", "number", "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call", "first", "who", "may", "down", "side", "been", "now", "find", "any", "new", "work", "part", "take", "get", "place", "made", "live", "where", "after", "back", "little", "only", "round", "man", "year", "came", "show", "every", "good", "me", "give", "our", "under", "name", "very", "through", "just", "form", "sentence", "great", "think", "say", "help", "low", "line", "differ", "turn", "cause", "much", "mean", "before", "move", "right", "boy", "old", "too", "same", "tell", "does", "set", "three", "want", "air", "well", "also", "play", "small", "end", "put", "home", "read", "hand", "port", "large", "spell", "add", "even", "land", "here", "must", "big", "high", "such", "follow", "act", "why", "ask", "men", "change", "went", "light", "kind", "off", "need", "house", "picture", "try", "us", "again", "animal", "point", "mother", "world", "near", "build", "self", "earth", "father", "river", "garden", "window", "letter", "morning", "evening", "story", "music", "market", "winter", "summer", "doctor", "teacher", "village", "mountain"]
 
 
 def english_words(seed: int, n: int) -> list[str]:
@@ -133,6 +128,7 @@ class RequestSets:
 
     outputs: list[Req]  # test_outputs_match_colocated, sent concurrently
     prefix: list[Req]  # test_prefix_cache_hit_on_d, sent in order
+    long_prompt_tokens: int  # of the first prefix request (sent twice)
     shared_prefix_tokens: int  # tokens the last prefix request shares with the first
     later: list[Req]  # restart and P-killed tests
 
@@ -161,7 +157,50 @@ def build_requests(tokenizer: Tokenizer, model: str) -> RequestSets:
     prefix = [completion("prefix-long", model, long_text), completion("prefix-long-again", model, long_text),
               completion("prefix-branch", model, branch)]
     later = [completion(f"later-{n}", model, text_with_tokens(tokenizer, n, seed=4000 + n)) for n in (30, 300, 900)]
-    return RequestSets(outputs, prefix, shared, later)
+    return RequestSets(outputs, prefix, len(long_ids), shared, later)
+
+
+# ---------------------------------------------------------------------------- the deployment
+
+
+class E2EStack(Stack):
+    """``Stack`` with vLLM's statistics on: the tests read ``vllm:kv_cache_usage_perc`` and
+    ``vllm:prefix_cache_hits`` from /metrics, which ``--disable-log-stats`` removes."""
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        return super()._spawn(name, [a for a in argv if a != "--disable-log-stats"], env)
+
+
+@dataclass
+class PD:
+    """The running P/D deployment. Tests that restart or kill a process update it."""
+
+    stack: E2EStack
+    model: str
+    requests: RequestSets
+    refs: dict[str, Outcome]
+    daemon_flags: dict[str, tuple[str, ...]]
+    verify: bool
+    prefill_daemon: Proc
+    decode_daemon: Proc
+    prefill: Proc
+    decode: Proc
+    proxy: Proc
+
+    def req(self, name: str) -> Req:
+        return next(r for r in self.requests.all() if r.name == name)
+
+    def daemon_urls(self) -> dict[str, str]:
+        return {"prefill": self.prefill_daemon.url, "decode": self.decode_daemon.url}
+
+    def restart_daemon(self, name: str) -> Proc:
+        """Start daemon ``name`` again on the same runtime dir, so on the same socket path."""
+        proc = self.stack.daemon(name, *self.daemon_flags[name])
+        setattr(self, f"{name}_daemon", proc)
+        return proc
+
+    def logs(self, n: int = 30) -> str:
+        return "\n".join(f"--- {p.name} ({p.log})\n{p.tail(n)}" for p in self.stack.procs)
 
 
 # ---------------------------------------------------------------------------- HTTP

@@ -1,0 +1,135 @@
+"""Judging and formatting the demo's results. Pure functions: no I/O, no clock.
+
+P/D outputs are compared with the colocated outputs of the same prompts. The tiny model
+runs in bf16, where two candidate tokens can tie to within rounding; P/D computes the
+prompt's KV in another batch shape than colocated serving, so such a near-tie may break
+the other way once in a while. One such divergence is tolerated, never at the first
+token: D computes its first token on top of the pushed KV, so a difference there points
+at the transfer rather than at rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pushsvc.demo.client import Result
+
+TOLERATED_DIVERGENCES = 1
+
+
+@dataclass(frozen=True)
+class Comparison:
+    request_id: str
+    verdict: str  # "match", "DIFFERS at char N" or "ERROR ..."
+    matched: bool
+    diverged_at: int | None = None
+    at_first_token: bool = False
+    error: bool = False
+
+
+def first_difference(a: str, b: str) -> int | None:
+    """Index of the first character where ``a`` and ``b`` differ; None if equal."""
+    if a == b:
+        return None
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def compare(reference: Result, got: Result) -> Comparison:
+    if not got.ok:
+        return Comparison(got.request_id, f"ERROR {got.error}", False, error=True)
+    if not reference.ok:
+        return Comparison(got.request_id, "no colocated reference", False, error=True)
+    at = first_difference(reference.text, got.text)
+    if at is None:
+        return Comparison(got.request_id, "match", True)
+    first = reference.tokens[:1] != got.tokens[:1]
+    return Comparison(got.request_id, f"DIFFERS at char {at}" + (" (first token)" if first else ""), False,
+                      diverged_at=at, at_first_token=first)
+
+
+def verdict(comparisons: Sequence[Comparison]) -> tuple[bool, str]:
+    """(passed, one line saying why)."""
+    n = len(comparisons)
+    matched = sum(c.matched for c in comparisons)
+    errors = [c for c in comparisons if c.error]
+    diverged = [c for c in comparisons if not c.matched and not c.error]
+    equal = f"{matched}/{n} P/D outputs equal the colocated outputs"
+    if errors:
+        return False, f"{equal}; {len(errors)} requests failed"
+    if not diverged:
+        return True, equal
+    if len(diverged) <= TOLERATED_DIVERGENCES and not any(c.at_first_token for c in diverged):
+        c = diverged[0]
+        return True, (f"{equal}; {c.request_id} diverges at char {c.diverged_at}, after the first token "
+                      f"(a bf16 near-tie; at most {TOLERATED_DIVERGENCES} tolerated)")
+    first = sum(c.at_first_token for c in diverged)
+    return False, f"{equal}; {len(diverged)} differ" + (f", {first} at the first token" if first else "")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100), interpolated between the nearest ranks."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def spread(results: Sequence[Result], attr: str) -> str:
+    values = [getattr(r, attr) for r in results if r.ok and getattr(r, attr) is not None]
+    if not values:
+        return "n/a"
+    return f"p50 {percentile(values, 50) * 1e3:6.0f} ms   p90 {percentile(values, 90) * 1e3:6.0f} ms"
+
+
+def p50(results: Sequence[Result], attr: str) -> float:
+    return percentile([getattr(r, attr) for r in results if r.ok and getattr(r, attr) is not None], 50)
+
+
+_COLUMNS = ("request", "words", "prompt tokens", "TTFT ms", "latency ms", "colocated TTFT ms", "output")
+TABLE_HEADER = "  ".join(_COLUMNS)
+
+
+def table_row(got: Result, reference: Result, comparison: Comparison) -> str:
+    tokens = "-" if got.prompt_tokens is None else str(got.prompt_tokens)
+    cells = (got.request_id, str(got.words), tokens, ms(got.ttft_s), ms(got.latency_s), ms(reference.ttft_s))
+    aligned = [f"{cells[0]:<{len(_COLUMNS[0])}}"] + [f"{c:>{len(h)}}" for c, h in zip(cells[1:], _COLUMNS[1:])]
+    return "  ".join([*aligned, comparison.verdict])
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """Prometheus text exposition to {'name{labels}': value} (comments skipped)."""
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            samples[key] = float(value)
+        except ValueError:
+            continue
+    return samples
+
+
+def transfer_line(samples: dict[str, float]) -> str:
+    """The daemon's push counters in a few words."""
+    by_result = {k.partition('result="')[2].rstrip('"}'): v for k, v in samples.items()
+                 if k.startswith("pushsvc_transfers_total{")}
+    pushes = ", ".join(f"{int(v)} {k}" for k, v in sorted(by_result.items())) or "0"
+    nbytes = samples.get("pushsvc_transfer_bytes_total", 0.0)
+    failures = {k.partition('kind="')[2].rstrip('"}'): v for k, v in samples.items()
+                if k.startswith("pushsvc_failures_total{") and v}
+    text = f"pushes {pushes}, {nbytes / 2**20:.2f} MiB written"
+    if failures:
+        text += ", failures " + ", ".join(f"{k}={int(v)}" for k, v in sorted(failures.items()))
+    return text

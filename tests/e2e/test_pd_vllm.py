@@ -1,0 +1,223 @@
+"""End to end: vLLM P and D with the pushsvc connector, their daemons and the proxy.
+
+One deployment serves the whole module (see conftest). The tests run in file order: the
+last two restart the daemons and kill P.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from helpers import (
+    LEASE_S,
+    PD,
+    PREFILL_LEG_PARAMS,
+    WATCHDOG_S,
+    Outcome,
+    completion,
+    diverged_at,
+    generate,
+    generate_all,
+    kv_usage,
+    metric,
+    post_and_drop,
+    prefix_cache_hits,
+    remote_prefill_params,
+    scrape,
+    stream_and_drop,
+    tables,
+    text_with_tokens,
+    verify_results,
+    wait_for,
+    wait_kv_usage,
+    wait_tables_zero,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+BLOCK = 128  # vLLM CPU's KV block size (tokens)
+SETTLE_S = 15.0  # for cleanup that follows a finished request (P's push, the last engine steps)
+
+
+def _rid(tag: str) -> str:
+    return f"e2e-{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def _transfers_done(pd: PD) -> float:
+    return metric(scrape(pd.prefill_daemon.url), "pushsvc_transfers_total", result="done") or 0.0
+
+
+def _assert_same_as_colocated(pd: PD, name: str, got: Outcome) -> None:
+    assert got.ok, f"{name}: {got}\n{pd.logs()}"
+    ref = pd.refs[name]
+    assert got.tokens == ref.tokens, f"{name}: P/D {got.tokens} != colocated {ref.tokens}"
+
+
+def _idle_kv(pd: PD) -> dict[str, float]:
+    return {"prefill": kv_usage(pd.prefill.url), "decode": kv_usage(pd.decode.url)}
+
+
+def test_outputs_match_colocated(pd: PD) -> None:
+    reqs = pd.requests.outputs
+    assert len(reqs) >= 24
+    verified_before = (verify_results(pd.decode_daemon.url) or {}) if pd.verify else {}
+    done_before = _transfers_done(pd)
+
+    got = generate_all(pd.proxy.url, reqs, concurrency=8)
+
+    failed = {name: str(o) for name, o in got.items() if not o.ok}
+    assert not failed, f"requests failed through the proxy: {failed}\n{pd.logs()}"
+    diverged = {r.name: diverged_at(got[r.name].tokens, pd.refs[r.name].tokens) for r in reqs}
+    diverged = {name: at for name, at in diverged.items() if at is not None}
+    detail = {name: (got[name].tokens, pd.refs[name].tokens) for name in diverged}
+    assert all(at > 0 for at in diverged.values()), f"first token differs from colocated: {detail}"
+    # bf16 near-ties may flip a later greedy pick once in a while; more than that is a bug.
+    assert len(diverged) <= len(reqs) // 24, f"outputs differ from colocated: {detail}"
+
+    # Every request's KV went P -> D through the daemons, and nothing is left behind.
+    wait_for("P daemon's completed pushes", lambda: _transfers_done(pd) - done_before,
+             lambda n: n >= len(reqs), SETTLE_S)
+    wait_tables_zero(pd.daemon_urls(), SETTLE_S)
+    wait_kv_usage({"prefill": pd.prefill.url, "decode": pd.decode.url}, {"prefill": 0.0, "decode": 0.0}, SETTLE_S)
+    if pd.verify:
+        def delta() -> dict[str, float]:
+            now = verify_results(pd.decode_daemon.url) or {}
+            return {k: v - verified_before.get(k, 0.0) for k, v in now.items() if v - verified_before.get(k, 0.0)}
+
+        checked = wait_for("D daemon's verified pushes", delta,
+                           lambda d: sum(d.values()) >= len(reqs), SETTLE_S)
+        assert checked.get("identical", 0) == len(reqs) and sum(checked.values()) == len(reqs), (
+            f"verify mode: {checked} for {len(reqs)} pushes")
+
+
+def test_prefix_cache_hit_on_d(pd: PD) -> None:
+    hits_before = prefix_cache_hits(pd.decode.url)
+    done_before = _transfers_done(pd)
+    for req in pd.requests.prefix:  # in order: the 2nd and 3rd find the 1st's blocks cached on D
+        _assert_same_as_colocated(pd, req.name, generate(pd.proxy.url, req))
+
+    # Full blocks only; D always recomputes at least the prompt's last token.
+    expected = BLOCK * ((pd.requests.long_prompt_tokens - 1) // BLOCK) + BLOCK * (
+        pd.requests.shared_prefix_tokens // BLOCK)
+    hits = wait_for("D's prefix cache hits (tokens)", lambda: prefix_cache_hits(pd.decode.url) - hits_before,
+                    lambda n: n >= expected, SETTLE_S)
+    assert hits >= expected
+    # The requests with a prefix hit still had their tails pushed from P.
+    wait_for("P daemon's completed pushes", lambda: _transfers_done(pd) - done_before,
+             lambda n: n >= len(pd.requests.prefix), SETTLE_S)
+    wait_tables_zero(pd.daemon_urls(), SETTLE_S)
+    wait_kv_usage({"prefill": pd.prefill.url, "decode": pd.decode.url}, {"prefill": 0.0, "decode": 0.0}, SETTLE_S)
+
+
+def test_client_disconnect_mid_stream_and_abort_before_scheduling(pd: PD, tokenizer: Any) -> None:
+    idle = _idle_kv(pd)
+    text = text_with_tokens(tokenizer, 1000, seed=5001)
+
+    # 1. The client of a long stream leaves after the first chunk.
+    stream = completion("drop-stream", pd.model, text_with_tokens(tokenizer, 600, seed=5002), stream=True,
+                        max_tokens=2000)
+    first = stream_and_drop(pd.proxy.url, stream, _rid("drop-stream"))
+    assert first.startswith(b"HTTP/1.1 200") and b"data:" in first, first[:500]
+
+    # 2. A decode request sent straight to D (its KV would come from P's daemon, which
+    #    never hears of it from P), whose client is gone at once.
+    to_d = completion("drop-d", pd.model, text).with_body(
+        kv_transfer_params=remote_prefill_params(pd.prefill_daemon.info))
+    post_and_drop(pd.decode.url, to_d, _rid("drop-d"))
+
+    # 3. A burst through the proxy; two of its requests are dropped right after sending,
+    #    while the others keep both servers busy.
+    burst = [completion(f"burst-{i}", pd.model, text_with_tokens(tokenizer, 700 + 100 * i, seed=5100 + i))
+             for i in range(6)]
+    dropped = [completion(f"burst-drop-{i}", pd.model, text_with_tokens(tokenizer, 1200, seed=5200 + i))
+               for i in range(2)]
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(generate, pd.proxy.url, r) for r in burst]
+        drops = [pool.submit(post_and_drop, pd.proxy.url, r, _rid(r.name), after_s)
+                 for r, after_s in zip(dropped, (0.0, 0.05))]
+        for f in drops:
+            f.result()
+        outcomes = [f.result() for f in futures]
+    assert all(o.ok for o in outcomes), [str(o) for o in outcomes]
+
+    # Within P's lease everything is released: the daemons' tables and vLLM's blocks.
+    deadline = LEASE_S + 15
+    wait_tables_zero(pd.daemon_urls(), deadline)
+    wait_kv_usage({"prefill": pd.prefill.url, "decode": pd.decode.url}, idle, deadline)
+    # ... and the stack still serves, with colocated outputs.
+    _assert_same_as_colocated(pd, "later-30", generate(pd.proxy.url, pd.req("later-30")))
+
+
+def test_daemon_restart_while_vllm_runs(pd: PD) -> None:
+    idle = _idle_kv(pd)
+    # In flight on D: a request waiting for KV (from a P that never computes it).
+    to_d = pd.req("later-900").with_body(kv_transfer_params=remote_prefill_params(pd.prefill_daemon.info))
+    # Held on P: a prefill whose decoder never registers (P keeps its blocks under the lease).
+    to_p = pd.req("later-300").with_body(max_tokens=1, kv_transfer_params=dict(PREFILL_LEG_PARAMS))
+    with ThreadPoolExecutor(2) as pool:
+        d_future = pool.submit(generate, pd.decode.url, to_d, timeout=WATCHDOG_S + 30)
+        wait_for("decode daemon's tables", lambda: tables(pd.decode_daemon.url), lambda t: any(t.values()), 10,
+                 interval=0.05)
+        p_out = generate(pd.prefill.url, to_p)
+        assert p_out.ok, str(p_out)
+        wait_for("prefill daemon's tables", lambda: tables(pd.prefill_daemon.url), lambda t: any(t.values()), 10,
+                 interval=0.05)
+
+        killed_at = time.monotonic()
+        for daemon in (pd.decode_daemon, pd.prefill_daemon):
+            os.killpg(daemon.popen.pid, signal.SIGKILL)
+            daemon.popen.wait(10)
+        d_out = d_future.result()
+
+    # The in-flight request fails cleanly, well before D's watchdog would have fired.
+    assert 500 <= d_out.status < 600 and d_out.error, str(d_out)
+    assert d_out.elapsed_s < WATCHDOG_S + 5, str(d_out)
+    assert time.monotonic() - killed_at < WATCHDOG_S, f"D answered {time.monotonic() - killed_at:.1f}s after the kill"
+    # Both servers give back the blocks the daemons were moving.
+    wait_kv_usage({"prefill": pd.prefill.url, "decode": pd.decode.url}, idle, SETTLE_S)
+
+    # Same runtime dirs, so the same socket paths; the connectors reconnect at most once a second.
+    pd.restart_daemon("prefill")
+    pd.restart_daemon("decode")
+    time.sleep(2.5)
+
+    # P's daemon has a new side-channel port: the proxy may use the old one once.
+    names = ("later-30", "later-300", "later-900", "later-30")
+    outcomes = [generate(pd.proxy.url, pd.req(name)) for name in names]
+    failures = [i for i, o in enumerate(outcomes) if not o.ok]
+    assert failures in ([], [0]), f"after the restart: {[str(o) for o in outcomes]}\n{pd.logs()}"
+    for name, out in zip(names, outcomes):
+        if out.ok:
+            _assert_same_as_colocated(pd, name, out)
+    # A failed first request leaves P's blocks to the new lease.
+    wait_tables_zero(pd.daemon_urls(), LEASE_S + 10)
+    wait_kv_usage({"prefill": pd.prefill.url, "decode": pd.decode.url}, idle, LEASE_S + 10)
+
+
+def test_p_killed_d_fails_at_watchdog(pd: PD) -> None:
+    idle_d = kv_usage(pd.decode.url)
+    os.killpg(pd.prefill.popen.pid, signal.SIGKILL)
+    pd.prefill.popen.wait(30)
+
+    # Straight to D, KV promised by P's daemon: nobody pushes it. D fails it by the watchdog.
+    to_d = pd.req("later-300").with_body(kv_transfer_params=remote_prefill_params(pd.prefill_daemon.info))
+    out = generate(pd.decode.url, to_d, timeout=WATCHDOG_S + 40)
+    assert 500 <= out.status < 600 and out.error, str(out)
+    assert out.elapsed_s < WATCHDOG_S + 10, str(out)
+
+    # Through the proxy: P is gone, so the client hears so at once.
+    via_proxy = generate(pd.proxy.url, pd.req("later-30"), timeout=WATCHDOG_S + 40)
+    assert 500 <= via_proxy.status < 600 and via_proxy.error, str(via_proxy)
+    assert via_proxy.elapsed_s < WATCHDOG_S + 10, str(via_proxy)
+
+    # D keeps serving on its own.
+    plain = pd.req("later-900")
+    _assert_same_as_colocated(pd, plain.name, generate(pd.decode.url, plain))
+    wait_tables_zero({"decode": pd.decode_daemon.url}, SETTLE_S)
+    wait_kv_usage({"decode": pd.decode.url}, {"decode": idle_d}, SETTLE_S)

@@ -1,0 +1,148 @@
+"""PushWorker (the connector's worker side) against a real in-process daemon: events
+become vLLM's finished sets, and losing the daemon fails nothing silently."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+
+import pytest
+from daemon_fixtures import BLOCK_LEN, D_ENGINE, daemon_config, kv_regions, wait_until
+
+from pushsvc.engine.fake import FakeEngine
+from pushsvc.protocol import worker as wp
+from pushsvc.server.daemon import Daemon
+from pushsvc.shm import SharedBuffer
+from pushsvc_connector.metadata import PushsvcMetadata
+from pushsvc_connector.worker import PushWorker
+
+NUM_BLOCKS = 16
+
+
+def _registration(rid: str, blocks: list[int]) -> wp.RegisterRecv:
+    # P's side channel is a closed port: the daemon's handshake fails, promptly.
+    return wp.RegisterRecv(request_id=rid, local_block_ids=[blocks], remote_engine_id="prefill",
+                           remote_host="127.0.0.1", remote_port=1)
+
+
+async def _finished(worker: PushWorker, timeout: float = 5.0) -> tuple[set[str], set[str]]:
+    sending: set[str] = set()
+    recving: set[str] = set()
+
+    def got_any() -> bool:
+        s, r = worker.get_finished()
+        sending.update(s)
+        recving.update(r)
+        return bool(sending or recving)
+
+    await wait_until(got_any, "the worker to report a finished transfer", timeout)
+    return sending, recving
+
+
+@pytest.fixture
+def silent_port():
+    """A loopback listener that accepts and never answers: handshakes with it hang
+    until their timeout, keeping registrations pending."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    yield srv.getsockname()[1]
+    srv.close()
+
+
+@pytest.fixture
+def base():
+    path = tempfile.mkdtemp(prefix="pw")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.asyncio
+async def test_failed_receive_reports_finished_with_load_errors(base) -> None:
+    daemon = Daemon(daemon_config(f"{base}/rt", D_ENGINE), engine=FakeEngine())
+    await daemon.startup()
+    buf = SharedBuffer.create(2 * NUM_BLOCKS * BLOCK_LEN)
+    worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="consumer",
+                        connect_timeout_s=5.0)
+    try:
+        await asyncio.to_thread(worker.register, [buf], kv_regions(NUM_BLOCKS), 1)
+        worker.start_step(PushsvcMetadata(recvs={"r1": _registration("r1", [3, 5])}))
+        sending, recving = await _finished(worker)
+        assert (sending, recving) == (set(), {"r1"})
+        assert worker.take_load_errors() == {3, 5}
+        assert worker.take_load_errors() == set()
+    finally:
+        worker.close()
+        await daemon.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_daemon_loss_fails_in_flight_and_reconnects(base, silent_port) -> None:
+    config = daemon_config(f"{base}/rt", D_ENGINE, watchdog_s=60.0)
+    daemon = Daemon(config, engine=FakeEngine())
+    await daemon.startup()
+    buf = SharedBuffer.create(2 * NUM_BLOCKS * BLOCK_LEN)
+    worker = PushWorker(socket_path=config.socket_path, rank=0, tp_size=1, role="both", connect_timeout_s=5.0,
+                        reconnect_interval_s=0.05)
+    try:
+        await asyncio.to_thread(worker.register, [buf], kv_regions(NUM_BLOCKS), 1)
+        # A registration whose handshake with P never completes, and a send.
+        reg = wp.RegisterRecv(request_id="waiting", local_block_ids=[[7]], remote_engine_id="prefill",
+                              remote_host="127.0.0.1", remote_port=silent_port)
+        worker.start_step(PushsvcMetadata(recvs={"waiting": reg}, sends={"sent": [[1, 2]]}))
+        await wait_until(lambda: daemon.info()["tables"]["d_pending"] == 1 and daemon.info()["tables"]["p_staged"] == 1,
+                         "the daemon to track both requests")
+        await daemon.shutdown()  # the daemon goes away with both in flight
+        sending, recving = await _finished(worker)
+        assert sending == {"sent"} and recving == {"waiting"}
+        assert worker.take_load_errors() == {7}
+        # New work fails fast while the daemon is away.
+        worker.start_step(PushsvcMetadata(recvs={"meanwhile": _registration("meanwhile", [9])}))
+        assert worker.get_finished() == (set(), {"meanwhile"})
+        assert worker.take_load_errors() == {9}
+        # The daemon comes back on the same socket: the worker reconnects by itself
+        # and registers the same shared memory again.
+        again = Daemon(config, engine=FakeEngine())
+        await again.startup()
+        try:
+            # get_finished reconnects, which blocks until this loop's daemon answers:
+            # run it off the loop, as vLLM's worker thread would.
+            for _ in range(100):
+                await asyncio.to_thread(worker.get_finished)
+                if worker.welcome is not None:
+                    break
+                await asyncio.sleep(0.02)
+            assert worker.welcome is not None and worker.welcome.daemon_id == again.daemon_id
+            await wait_until(lambda: bool(again.service.ranks) and again.service.ranks[0].ready,
+                             "the KV memory to be registered again")
+            assert again.service.ranks[0].buffers[0].size == os.fstat(buf.fd).st_size  # the same memfd
+        finally:
+            await again.shutdown()
+    finally:
+        worker.close()
+        await daemon.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_evicted_receive_releases_blocks_without_load_errors(base, silent_port) -> None:
+    daemon = Daemon(daemon_config(f"{base}/rt", D_ENGINE), engine=FakeEngine())
+    await daemon.startup()
+    buf = SharedBuffer.create(2 * NUM_BLOCKS * BLOCK_LEN)
+    worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="consumer",
+                        connect_timeout_s=5.0)
+    try:
+        await asyncio.to_thread(worker.register, [buf], kv_regions(NUM_BLOCKS), 1)
+        never = wp.RegisterRecv(request_id="gone", local_block_ids=[[4]], remote_engine_id="prefill",
+                                remote_host="127.0.0.1", remote_port=silent_port)
+        worker.start_step(PushsvcMetadata(recvs={"gone": never}))
+        worker.start_step(PushsvcMetadata(evictions=["gone"]))
+        sending, recving = await _finished(worker)
+        assert recving == {"gone"}
+        assert worker.take_load_errors() == set()  # the request was aborted, not failed
+    finally:
+        worker.close()
+        await daemon.shutdown()
