@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# make demo DEMO_ARGS="--prompts 24 --keep-logs"; DEMO_ARGS=--transfer-only for the no-vLLM check
 demo: $(STAMP)
-	$(PY) -m pushsvc demo
+	$(PY) -m pushsvc demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -62,7 +62,8 @@ async def complete(session: aiohttp.ClientSession, base_url: str, model: str, pr
                     break
                 event = json.loads(data)
                 if "error" in event:  # an error inside an already-started stream
-                    result.error = f"stream error: {json.dumps(event['error'])[:300]}"
+                    error = event["error"]
+                    result.error = str(error.get("message") if isinstance(error, dict) else error)[:300]
                     break
                 for choice in event.get("choices") or ():
                     if result.ttft_s is None:

@@ -59,6 +59,7 @@ class Console:
         if not self.tty:
             return
         with self._lock:
+            self._finished.discard(key)
             if ticking:
                 self._since.setdefault(key, time.monotonic())
             else:
@@ -97,10 +98,15 @@ class Console:
         else:
             self.line(message)
 
-    def close(self) -> None:
-        self._closed.set()
+    def freeze(self) -> None:
+        """Leave the live lines as they are on screen; what follows prints below them."""
         with self._lock:
             self._block.clear()
+            self._since.clear()
+
+    def close(self) -> None:
+        self._closed.set()
+        self.freeze()
 
     # ------------------------------------------------------------ internals (lock held)
 

@@ -4,12 +4,13 @@ P/D outputs are compared with the colocated outputs of the same prompts. The tin
 runs in bf16, where two candidate tokens can tie to within rounding; P/D computes the
 prompt's KV in another batch shape than colocated serving, so such a near-tie may break
 the other way once in a while. One such divergence is tolerated, never at the first
-token: D computes its first token on top of the pushed KV, so a difference there points
-at the transfer rather than at rounding.
+token (D computes its first token on top of the pushed KV, so a difference there points
+at the transfer rather than at rounding) and never an answer cut short or too long.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ class Comparison:
     verdict: str  # "match", "DIFFERS at char N" or "ERROR ..."
     matched: bool
     diverged_at: int | None = None
-    at_first_token: bool = False
+    tolerable: bool = False  # may be a bf16 near-tie: after the first token, same length
     error: bool = False
 
 
@@ -41,15 +42,30 @@ def first_difference(a: str, b: str) -> int | None:
 
 def compare(reference: Result, got: Result) -> Comparison:
     if not got.ok:
-        return Comparison(got.request_id, f"ERROR {got.error}", False, error=True)
+        return Comparison(got.request_id, f"ERROR {_clip(got.error or '', 100)}", False, error=True)
     if not reference.ok:
         return Comparison(got.request_id, "no colocated reference", False, error=True)
     at = first_difference(reference.text, got.text)
     if at is None:
         return Comparison(got.request_id, "match", True)
-    first = reference.tokens[:1] != got.tokens[:1]
-    return Comparison(got.request_id, f"DIFFERS at char {at}" + (" (first token)" if first else ""), False,
-                      diverged_at=at, at_first_token=first)
+    if at == min(len(reference.text), len(got.text)):  # one is a prefix of the other: cut short
+        return Comparison(got.request_id, f"DIFFERS at char {at}: {len(got.tokens)} tokens, colocated "
+                          f"{len(reference.tokens)}", False, diverged_at=at)
+    token = _token_at(reference.tokens, at)
+    first = token == 0 or reference.tokens[:1] != got.tokens[:1]
+    where = "first token" if first else f"token {token + 1}"
+    return Comparison(got.request_id, f"DIFFERS at char {at} ({where})", False, diverged_at=at,
+                      tolerable=not first)
+
+
+def _token_at(tokens: Sequence[str], char: int) -> int:
+    """Index of the streamed token that holds character ``char`` of their concatenation."""
+    end = 0
+    for i, text in enumerate(tokens):
+        end += len(text)
+        if char < end:
+            return i
+    return len(tokens)
 
 
 def verdict(comparisons: Sequence[Comparison]) -> tuple[bool, str]:
@@ -63,12 +79,30 @@ def verdict(comparisons: Sequence[Comparison]) -> tuple[bool, str]:
         return False, f"{equal}; {len(errors)} requests failed"
     if not diverged:
         return True, equal
-    if len(diverged) <= TOLERATED_DIVERGENCES and not any(c.at_first_token for c in diverged):
+    if len(diverged) <= TOLERATED_DIVERGENCES and all(c.tolerable for c in diverged):
         c = diverged[0]
-        return True, (f"{equal}; {c.request_id} diverges at char {c.diverged_at}, after the first token "
-                      f"(a bf16 near-tie; at most {TOLERATED_DIVERGENCES} tolerated)")
-    first = sum(c.at_first_token for c in diverged)
-    return False, f"{equal}; {len(diverged)} differ" + (f", {first} at the first token" if first else "")
+        return True, (f"{equal}; {c.request_id} {c.verdict.lower().replace('differs', 'diverges')}, "
+                      f"a bf16 near-tie (at most {TOLERATED_DIVERGENCES}, after the first token, tolerated)")
+    hard = sum(not c.tolerable for c in diverged)
+    why = f", {hard} at the first token or in length" if hard else ""
+    return False, f"{equal}; {len(diverged)} differ{why}"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def log_line(line: str, width: int = 160) -> str:
+    """A structlog JSON line as ``time level event key=value ...``; other lines as they are."""
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return _clip(line, width)
+    if not isinstance(doc, dict) or "event" not in doc:
+        return _clip(line, width)
+    head = [str(doc.pop("timestamp", ""))[11:23], str(doc.pop("level", "")), str(doc.pop("event"))]
+    doc.pop("logger", None)
+    return _clip(" ".join([*head, *(f"{k}={v}" for k, v in doc.items())]), width)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -129,7 +163,8 @@ def transfer_line(samples: dict[str, float]) -> str:
     nbytes = samples.get("pushsvc_transfer_bytes_total", 0.0)
     failures = {k.partition('kind="')[2].rstrip('"}'): v for k, v in samples.items()
                 if k.startswith("pushsvc_failures_total{") and v}
-    text = f"pushes {pushes}, {nbytes / 2**20:.2f} MiB written"
+    received = int(samples.get("pushsvc_recv_seconds_count", 0.0))
+    text = f"pushes written: {pushes} ({nbytes / 2**20:.2f} MiB); received: {received}"
     if failures:
         text += ", failures " + ", ".join(f"{k}={int(v)}" for k, v in sorted(failures.items()))
     return text

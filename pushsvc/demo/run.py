@@ -63,7 +63,10 @@ def run_demo(options: DemoOptions) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     code = EXIT_FAILED
     try:
-        code = 0 if _run(stack, console, options) else EXIT_FAILED
+        try:
+            code = 0 if _run(stack, console, options) else EXIT_FAILED
+        finally:
+            console.freeze()  # a counter left live must not sit under what follows
     except KeyboardInterrupt:
         console.line()
         console.line("interrupted (Ctrl-C)")
@@ -134,5 +137,5 @@ def _show_dead(stack: Stack, console: Console) -> None:
 
 
 def _duration(seconds: float) -> str:
-    minutes, s = divmod(int(round(seconds)), 60)
+    minutes, s = divmod(round(seconds), 60)
     return f"{minutes}m{s:02d}s" if minutes else f"{seconds:.1f}s"

@@ -12,10 +12,11 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def run_serving_demo(stack: Stack, console: Console, options: ServingOptions) ->
     stack.stop(colocated)
     console.line("  colocated vLLM stopped")
 
-    console.step("[3/4] P/D: prefill and decode daemons, P vLLM (kv_producer, cpu 0), D vLLM (kv_consumer, cpu 1), proxy")
+    console.step("[3/4] P/D: two daemons, P vLLM (kv_producer, cpu 0), D vLLM (kv_consumer, cpu 1), the proxy")
     p_daemon = stack.daemon("prefill")
     d_daemon = stack.daemon("decode")
     p_vllm, d_vllm = _start_together(stack, {
@@ -90,11 +91,12 @@ def run_serving_demo(stack: Stack, console: Console, options: ServingOptions) ->
                  f"(P/D p50 = {_ratio(results, reference, 'ttft_s')} colocated)")
     console.line(f"  latency      P/D        {report.spread(results, 'latency_s')}")
     console.line(f"               colocated  {report.spread(reference, 'latency_s')}")
+    console.line("  daemons      (counters include the warm-up request)")
     for daemon in (p_daemon, d_daemon):
         samples = report.metric_samples(_get(f"{daemon.url}/metrics"))
         tables = json.loads(_get(f"{daemon.url}/v1/info"))["tables"]
-        console.line(f"  {daemon.name + ' daemon':<17}{report.transfer_line(samples)}")
-        console.line(f"  {'':<17}tables " + " ".join(f"{k}={v}" for k, v in tables.items()))
+        console.line(f"    {daemon.name:<11}{report.transfer_line(samples)}")
+        console.line(f"    {'':<11}tables: " + " ".join(f"{k}={v}" for k, v in tables.items()))
     if any(not r.ok for r in [*results, *pd_warmup]):
         _show_tail(console, proxy)
     console.line()
@@ -134,7 +136,7 @@ def _batch(console: Console, label: str, url: str, model: str, prompts: Sequence
     failed = sum(not r.ok for r in results)
     summary = f"  {label}: {len(results)} request{'s' if len(results) > 1 else ''} in {time.monotonic() - started:.1f}s"
     if failed:
-        summary += f", {failed} FAILED: {next(r.error for r in results if not r.ok)}"
+        summary += f", {failed} FAILED"
     elif describe:
         summary += describe(results)
     console.finish(label, summary)
@@ -162,13 +164,18 @@ def _start_together(stack: Stack, starts: dict[str, Callable[[], Proc]]) -> list
                 t.join(0.2)  # short joins: Ctrl-C reaches the main thread between them
         _raise_first_failure(results)
     except BaseException:
-        # Stop what was started: the other thread's wait ends once its process is gone.
-        stack.close()
+        # Stop what these threads started: a thread's wait ends once its process is gone.
+        _stop_named(stack, starts)
         for t in threads:
             t.join(10)
-        stack.close()  # in case a thread spawned its process after the first close
+        _stop_named(stack, starts)  # in case a thread spawned its process after the first stop
         raise
     return [results[name] for name in starts]  # type: ignore[misc]
+
+
+def _stop_named(stack: Stack, names: Iterable[str]) -> None:
+    for proc in [p for p in stack.procs if p.name in names]:
+        stack.stop(proc)
 
 
 def _raise_first_failure(results: dict[str, Proc | BaseException]) -> None:
@@ -179,7 +186,7 @@ def _raise_first_failure(results: dict[str, Proc | BaseException]) -> None:
 
 def _ratio(results: Sequence[Result], reference: Sequence[Result], attr: str) -> str:
     got, base = report.p50(results, attr), report.p50(reference, attr)
-    return f"{got / base:.2f}x" if base > 0 else "n/a"
+    return "n/a" if math.isnan(got) or not base > 0 else f"{got / base:.2f}x"
 
 
 def _get(url: str) -> str:
@@ -190,4 +197,4 @@ def _get(url: str) -> str:
 def _show_tail(console: Console, proc: Proc, lines: int = 15) -> None:
     console.line(f"  last lines of {proc.log}:")
     for line in proc.tail(lines).splitlines():
-        console.line(f"    {line}")
+        console.line(f"    {report.log_line(line)}")
