@@ -19,7 +19,15 @@ import msgspec
 
 from pushsvc.errors import DaemonUnavailable, ProtocolError
 from pushsvc.protocol import worker as wp
-from pushsvc.protocol.framing import DECODE_ERRORS, PREAMBLE, FrameBuffer, check_preamble, encode_preamble, frame
+from pushsvc.protocol.framing import (
+    DECODE_ERRORS,
+    HEADER,
+    PREAMBLE,
+    FrameBuffer,
+    check_preamble,
+    encode_preamble,
+    frame,
+)
 
 _RECV_BYTES = 1 << 16
 
@@ -191,6 +199,28 @@ class DaemonClient:
 
     def __repr__(self) -> str:
         return f"<DaemonClient {self.socket_path} rank={self.hello.rank} connected={self.connected} out={len(self._out)}>"
+
+
+def describe_daemon(socket_path: str, timeout_s: float = 2.0) -> wp.Welcome:
+    """Who the daemon at ``socket_path`` is (engine id, side-channel address), without
+    registering as a worker. Blocking, bounded by ``timeout_s``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(socket_path)
+        sock.sendall(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR) + frame(wp.encode(wp.Describe())))
+        check_preamble(_recv_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
+        (length,) = HEADER.unpack(_recv_exact(sock, HEADER.size))
+        if length > 1 << 20:
+            raise ProtocolError("oversized answer")
+        msg = wp.daemon_decoder.decode(_recv_exact(sock, length))
+    except (OSError, ProtocolError, *DECODE_ERRORS) as exc:
+        raise DaemonUnavailable(f"cannot describe daemon at {socket_path}: {exc}") from None
+    finally:
+        sock.close()
+    if not isinstance(msg, wp.Welcome):
+        raise DaemonUnavailable(f"daemon at {socket_path} answered {type(msg).__name__}")
+    return msg
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -13,6 +13,7 @@ Configuration (``kv_connector_extra_config``):
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from pushsvc.client import describe_daemon
+from pushsvc.errors import DaemonUnavailable
 from pushsvc_connector.kvshare import share_kv_caches
 from pushsvc_connector.metadata import PushsvcMetadata
 from pushsvc_connector.scheduler import PushScheduler
@@ -47,8 +50,11 @@ class PushsvcConnector(KVConnectorBase_V1):
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            self._coords = _DaemonCoordinates(str(extra.get("daemon_socket", "")),
+                                              vllm_config.parallel_config.tensor_parallel_size)
             self._scheduler = PushScheduler(watchdog_s=float(extra.get("watchdog_s", DEFAULT_BACKSTOP_S)),
-                                            lease_s=float(extra.get("lease_s", DEFAULT_BACKSTOP_S)))
+                                            lease_s=float(extra.get("lease_s", DEFAULT_BACKSTOP_S)),
+                                            coordinates=self._coords.get)
             return
         socket_path = extra.get("daemon_socket")
         if not socket_path:
@@ -131,3 +137,26 @@ class PushsvcConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+
+class _DaemonCoordinates:
+    """Where D must register for this P: the daemon's engine id and side channel. Asked
+    with ``Describe`` at most once a second (a restarted daemon has a new port); the
+    last answer is kept while the daemon cannot be asked."""
+
+    def __init__(self, socket_path: str, tp_size: int) -> None:
+        self._socket_path = socket_path
+        self._tp_size = tp_size
+        self._value: dict[str, Any] | None = None
+        self._next_try = 0.0
+
+    def get(self) -> dict[str, Any] | None:
+        if self._socket_path and time.monotonic() >= self._next_try:
+            self._next_try = time.monotonic() + 1.0
+            try:
+                w = describe_daemon(self._socket_path, timeout_s=0.5)
+            except DaemonUnavailable:
+                return self._value
+            self._value = {"remote_engine_id": w.engine_id, "remote_host": w.side_channel_host,
+                           "remote_port": w.side_channel_port, "remote_tp_size": self._tp_size}
+        return self._value

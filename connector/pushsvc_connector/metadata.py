@@ -18,6 +18,10 @@ class PushsvcMetadata(KVConnectorMetadata):
     sends: dict[str, list[list[int]]] = field(default_factory=dict)
     # Either side: requests the engine dropped (aborted, finished early).
     evictions: list[str] = field(default_factory=list)
+    # D: requests that ended before they were ever scheduled. An empty registration
+    # still goes to P, only so that P frees the blocks it holds for them; nobody on D
+    # waits for its answer.
+    releases: list[RegisterRecv] = field(default_factory=list)
     # D: dropped before their registration was shipped: report finished at once.
     dropped_recvs: list[str] = field(default_factory=list)
     # Backstop timers that fired in the scheduler: the worker reports these as
@@ -31,4 +35,4 @@ class PushsvcMetadata(KVConnectorMetadata):
     @property
     def empty(self) -> bool:
         return not (self.recvs or self.sends or self.evictions or self.dropped_recvs or self.expired_recvs
-                    or self.expired_sends)
+                    or self.expired_sends or self.releases)

@@ -25,14 +25,19 @@ _FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 
 class PushScheduler:
-    def __init__(self, *, watchdog_s: float, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, watchdog_s: float, lease_s: float, clock: Callable[[], float] = time.monotonic,
+                 coordinates: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
         self.watchdog_s = watchdog_s
+        # P: where D must register (the daemon's engine id and side channel), for the
+        # kv_transfer_params P returns. None while the daemon cannot be asked.
+        self._coordinates = coordinates
         self.lease_s = lease_s
         self._clock = clock
         self._new_recvs: dict[str, RegisterRecv] = {}
         self._new_sends: dict[str, list[list[int]]] = {}
         self._evictions: list[str] = []
         self._dropped: list[str] = []  # D: dropped before its registration was shipped
+        self._releases: list[RegisterRecv] = []  # D: never scheduled; P must free its blocks
         self._recv_deadlines: dict[str, float] = {}  # D: registered, not yet received
         self._send_deadlines: dict[str, float] = {}  # P: blocks held for the push
 
@@ -73,9 +78,14 @@ class PushScheduler:
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
-            # Aborted before it was ever scheduled on D: nothing was registered. P's
-            # lease reclaims its blocks.
+            # Ended before it was ever scheduled on D: nothing was allocated. An empty
+            # registration tells P to free its blocks now rather than at its lease.
             params["do_remote_prefill"] = False
+            if all(k in params for k in ("remote_engine_id", "remote_host", "remote_port")):
+                self._releases.append(RegisterRecv(
+                    request_id=rid, local_block_ids=[], remote_engine_id=str(params["remote_engine_id"]),
+                    remote_host=str(params["remote_host"]), remote_port=int(params["remote_port"]),
+                    remote_tp_size=int(params.get("remote_tp_size", params.get("tp_size", 1)))))
             return False, None
         if rid in self._recv_deadlines or rid in self._new_recvs:
             # D request dropped while its KV may still be arriving. vLLM keeps its
@@ -94,13 +104,15 @@ class PushScheduler:
             return False, None
         self._new_sends[rid] = groups
         self._send_deadlines[rid] = self._clock() + self.lease_s
-        return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push"}
+        out: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push"}
+        out.update(self._coordinates() or {})
+        return True, out
 
     def build_connector_meta(self, scheduled_tokens: int = 1) -> PushsvcMetadata:
         now = self._clock()
         meta = PushsvcMetadata(recvs=self._new_recvs, sends=self._new_sends, evictions=self._evictions,
-                               dropped_recvs=self._dropped)
-        self._new_recvs, self._new_sends, self._evictions, self._dropped = {}, {}, [], []
+                               dropped_recvs=self._dropped, releases=self._releases)
+        self._new_recvs, self._new_sends, self._evictions, self._dropped, self._releases = {}, {}, [], [], []
         meta.expired_recvs = [r for r, t in self._recv_deadlines.items() if t <= now]
         for rid in meta.expired_recvs:
             self._recv_deadlines.pop(rid, None)
@@ -120,7 +132,7 @@ class PushScheduler:
         # P's finished requests leave the running set; the engine must keep stepping
         # so the worker can report their pushes done and free the blocks.
         return bool(self._send_deadlines or self._new_sends or self._new_recvs or self._evictions
-                    or self._dropped)
+                    or self._dropped or self._releases)
 
     def __repr__(self) -> str:
         return (f"<PushScheduler recv={len(self._recv_deadlines)} send={len(self._send_deadlines)} "

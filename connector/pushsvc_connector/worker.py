@@ -90,6 +90,8 @@ class PushWorker:
                       len(meta.evictions))
         for rid in meta.dropped_recvs:
             self._done_recving.add(rid)
+        for release in meta.releases:
+            self._send(release)  # best effort: P's lease frees the blocks otherwise
         for rid in meta.expired_recvs:
             self._fail_recv(rid, "no push before the connector's watchdog")
             self._send(wp.Evict(request_ids=[rid]))

@@ -124,7 +124,12 @@ class Ping(msgspec.Struct, tag="ping", **_opts):
     token: U64 = 0
 
 
-WorkerMessage = Union[Hello, RegisterKV, RegisterRecv, SendReady, Evict, Ping]
+class Describe(msgspec.Struct, tag="describe", **_opts):
+    """Instead of ``Hello``: ask who the daemon is (engine id, side channel) without
+    becoming a worker. The daemon answers ``Welcome`` and closes the connection."""
+
+
+WorkerMessage = Union[Hello, RegisterKV, RegisterRecv, SendReady, Evict, Ping, Describe]
 
 
 # ---------------------------------------------------------------- daemon -> worker

@@ -124,6 +124,12 @@ class SendSide:
         try:
             remote_layout = self._remote_layout(rank, target)
             plan = plan_write(rank.layout, remote_layout, match.block_ids, reg.local_block_ids)
+            if not len(plan.src_indices):
+                # D registered no blocks: its request ended before it was scheduled,
+                # and the registration only releases P. Nothing to write.
+                rank.agent.send_notif(target.agent_name, notif.encode_completion(reg.request_id, rank.tp_size))
+                self._release_without_write(rank, match)
+                return
             digests = digest_blocks(rank.local_descs, plan.src_indices) if self.config.verify else b""
             handle, state = rank.agent.write(
                 rank.local_dlist, plan.src_indices, rank.remote_dlists[target.agent_name], plan.dst_indices,
@@ -149,6 +155,15 @@ class SendSide:
         if state is not XferState.PROC:
             self._settle(rank, rank.inflight[match.request_id], state, now)
         self.wake()
+
+    def _release_without_write(self, rank: LocalRank, match: Match) -> None:
+        rank.producer.finish(match.request_id)
+        rank.staged_at.pop(match.request_id, None)
+        self.metrics.transfers.labels("released").inc()
+        self._update_gauges()
+        log.info("push_released", request_id=match.request_id, peer=match.registration.reg.decode_engine_id,
+                 reason="D registered no blocks")
+        self._tell(rank, wp.SendDone(request_id=match.request_id))
 
     def _remote_layout(self, rank: LocalRank, target: pp.AgentInfo) -> Layout:
         """The remote's layout, checked against ours and prepped once per remote agent."""

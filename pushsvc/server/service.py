@@ -98,6 +98,9 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
             self.ranks[hello.rank] = rank
             self.metrics.agents.set(len(self.ranks))
         rank.conn = conn
+        return self.describe()
+
+    def describe(self) -> wp.Welcome:
         return wp.Welcome(
             daemon_id=self.daemon_id,
             engine_id=self.config.engine_id,

@@ -123,7 +123,11 @@ class WorkerConn:
 
     def _advance(self, msg: wp.WorkerMessage) -> None:
         service = self.server.service
-        if self.state is ConnState.HELLO:
+        if self.state is ConnState.HELLO and isinstance(msg, wp.Describe):
+            self.send(service.describe())
+            self._flush()
+            self.close("described")
+        elif self.state is ConnState.HELLO:
             if not isinstance(msg, wp.Hello):
                 raise ProtocolError(f"expected hello, got {type(msg).__name__}")
             self.send(service.attach_worker(self, msg))

@@ -6,15 +6,18 @@ spend their time waiting on them, not on the client.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import random
+import shutil
 import socket
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -40,7 +43,18 @@ class Tokenizer(Protocol):
 
 # ---------------------------------------------------------------------------- prompts
 
-_WORDS = ["the", "of", "and", "to", "in", "is", "it", "that", "was", "for", "on", "are", "with", "as", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said", "an", "each", "she", "which", "do", "their", "time", "if", "will", "way", "about", "many", "then", "them", "write", "would", "like", "so", "these", "her", "long", "make", "thing", "see", "him", "two", "has", "look", "more", "day", "could", "go", "come", "did", "number", "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call", "first", "who", "may", "down", "side", "been", "now", "find", "any", "new", "work", "part", "take", "get", "place", "made", "live", "where", "after", "back", "little", "only", "round", "man", "year", "came", "show", "every", "good", "me", "give", "our", "under", "name", "very", "through", "just", "form", "sentence", "great", "think", "say", "help", "low", "line", "differ", "turn", "cause", "much", "mean", "before", "move", "right", "boy", "old", "too", "same", "tell", "does", "set", "three", "want", "air", "well", "also", "play", "small", "end", "put", "home", "read", "hand", "port", "large", "spell", "add", "even", "land", "here", "must", "big", "high", "such", "follow", "act", "why", "ask", "men", "change", "went", "light", "kind", "off", "need", "house", "picture", "try", "us", "again", "animal", "point", "mother", "world", "near", "build", "self", "earth", "father", "river", "garden", "window", "letter", "morning", "evening", "story", "music", "market", "winter", "summer", "doctor", "teacher", "village", "mountain"]
+_WORDS = """the of and to in is it that was for on are with as his they be at one have this from or had by word
+but what some we can out other were all there when up use your how said an each she which do their
+time if will way about many then them write would like so these her long make thing see him two has
+look more day could go come did number sound no most people my over know water than call first who
+may down side been now find any new work part take get place made live where after back little only
+round man year came show every good me give our under name very through just form sentence great
+think say help low line differ turn cause much mean before move right boy old too same tell does set
+three want air well also play small end put home read hand port large spell add even land here must
+big high such follow act why ask men change went light kind off need house picture try us again
+animal point mother world near build self earth father river garden window letter morning evening
+story music market winter summer doctor teacher village mountain
+""".split()
 
 
 def english_words(seed: int, n: int) -> list[str]:
@@ -164,11 +178,15 @@ def build_requests(tokenizer: Tokenizer, model: str) -> RequestSets:
 
 
 class E2EStack(Stack):
-    """``Stack`` with vLLM's statistics on: the tests read ``vllm:kv_cache_usage_perc`` and
-    ``vllm:prefix_cache_hits`` from /metrics, which ``--disable-log-stats`` removes."""
+    """``Stack`` with two things more on its vLLM servers: statistics (the tests read
+    ``vllm:kv_cache_usage_perc`` and ``vllm:prefix_cache_hits`` from /metrics, which
+    ``--disable-log-stats`` removes) and the dev endpoints (``/pause`` and ``/resume``)."""
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-        return super()._spawn(name, [a for a in argv if a != "--disable-log-stats"], env)
+        if "vllm.entrypoints.openai.api_server" in argv:
+            argv = [a for a in argv if a != "--disable-log-stats"]
+            env = {**(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
+        return super()._spawn(name, argv, env)
 
 
 @dataclass
@@ -194,8 +212,13 @@ class PD:
         return {"prefill": self.prefill_daemon.url, "decode": self.decode_daemon.url}
 
     def restart_daemon(self, name: str) -> Proc:
-        """Start daemon ``name`` again on the same runtime dir, so on the same socket path."""
-        proc = self.stack.daemon(name, *self.daemon_flags[name])
+        """Start daemon ``name`` again on the same runtime dir, so on the same socket path, and
+        on the same health port (the proxy is configured with P's daemon URL); the side
+        channel gets a new port."""
+        old: Proc = getattr(self, f"{name}_daemon")
+        if old.log.exists():  # the new process writes the same log file
+            shutil.copyfile(old.log, old.log.with_suffix(f".{int(time.time())}.log"))
+        proc = self.stack.daemon(name, *self.daemon_flags[name], "--health-port", str(old.info["health_port"]))
         setattr(self, f"{name}_daemon", proc)
         return proc
 
@@ -235,6 +258,14 @@ def _request(url: str, body: dict[str, Any] | None, headers: dict[str, str] | No
 def http_get(url: str, timeout: float = 10.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def http_post(url: str, body: dict[str, Any] | None = None, timeout: float = 30.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(_request(url, body or {}, None), timeout=timeout) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")
@@ -287,7 +318,7 @@ def generate(base_url: str, req: Req, *, timeout: float = HTTP_TIMEOUT_S, reques
             out.error = _error_of(out.body) or raw
         except ValueError:
             out.error = raw or f"HTTP {exc.code} with an empty body"
-    except (OSError, ValueError) as exc:  # refused, reset, timed out, truncated JSON
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut short
         out.error = f"{type(exc).__name__}: {exc}"
     out.elapsed_s = time.monotonic() - started
     return out
@@ -343,14 +374,24 @@ def _raw_post(base_url: str, path: str, body: dict[str, Any], request_id: str) -
     return sock
 
 
-def post_and_drop(base_url: str, req: Req, request_id: str, after_s: float = 0.0) -> None:
-    """Send ``req`` and close the connection ``after_s`` later, without reading the answer."""
-    sock = _raw_post(base_url, req.path, req.body, request_id)
+def open_post(base_url: str, req: Req, request_id: str) -> socket.socket:
+    """Send ``req`` and return the open connection, unread: closing it is the client leaving."""
+    return _raw_post(base_url, req.path, req.body, request_id)
+
+
+@contextlib.contextmanager
+def paused(vllm_url: str) -> Iterator[None]:
+    """Freeze the vLLM server's scheduler (queued requests stay queued) for the block.
+
+    ``POST /pause?mode=keep`` and ``/resume`` exist where ``VLLM_SERVER_DEV_MODE=1``.
+    """
+    status, text = http_post(vllm_url + "/pause?mode=keep")
+    assert status == 200, f"pause {vllm_url}: {status} {text}"
     try:
-        if after_s > 0:
-            time.sleep(after_s)
+        yield
     finally:
-        sock.close()
+        status, text = http_post(vllm_url + "/resume")
+        assert status == 200, f"resume {vllm_url}: {status} {text}"
 
 
 def stream_and_drop(base_url: str, req: Req, request_id: str, timeout: float = 60.0) -> bytes:

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+
 from helpers import (
     LEASE_S,
     PD,
@@ -26,7 +27,8 @@ from helpers import (
     generate_all,
     kv_usage,
     metric,
-    post_and_drop,
+    open_post,
+    paused,
     prefix_cache_hits,
     remote_prefill_params,
     scrape,
@@ -53,10 +55,31 @@ def _transfers_done(pd: PD) -> float:
     return metric(scrape(pd.prefill_daemon.url), "pushsvc_transfers_total", result="done") or 0.0
 
 
+def _proxy_client_gone(pd: PD) -> float:
+    return metric(scrape(pd.proxy.url), "pushsvc_proxy_requests_total", status="499") or 0.0
+
+
 def _assert_same_as_colocated(pd: PD, name: str, got: Outcome) -> None:
     assert got.ok, f"{name}: {got}\n{pd.logs()}"
     ref = pd.refs[name]
     assert got.tokens == ref.tokens, f"{name}: P/D {got.tokens} != colocated {ref.tokens}"
+
+
+def _verified(pd: PD) -> dict[str, float]:
+    return (verify_results(pd.decode_daemon.url) or {}) if pd.verify else {}
+
+
+def _assert_verified(pd: PD, before: dict[str, float], pushes: int) -> None:
+    """In verify mode, D's daemon found the last ``pushes`` pushes byte-identical to P's blocks."""
+    if not pd.verify:
+        return
+
+    def delta() -> dict[str, float]:
+        return {k: v - before.get(k, 0.0) for k, v in _verified(pd).items() if v != before.get(k, 0.0)}
+
+    checked = wait_for("D daemon's verified pushes", delta, lambda d: sum(d.values()) >= pushes, SETTLE_S)
+    assert checked.get("identical", 0) == pushes and sum(checked.values()) == pushes, (
+        f"verify mode: {checked} for {pushes} pushes")
 
 
 def _idle_kv(pd: PD) -> dict[str, float]:
@@ -64,9 +87,11 @@ def _idle_kv(pd: PD) -> dict[str, float]:
 
 
 def test_outputs_match_colocated(pd: PD) -> None:
+    """Greedy outputs through the proxy equal a colocated vLLM's, for prompts of 5 to 1500
+    tokens (each side of the 128-token block), completions and chat, streamed or not."""
     reqs = pd.requests.outputs
     assert len(reqs) >= 24
-    verified_before = (verify_results(pd.decode_daemon.url) or {}) if pd.verify else {}
+    verified_before = _verified(pd)
     done_before = _transfers_done(pd)
 
     got = generate_all(pd.proxy.url, reqs, concurrency=8)
@@ -85,20 +110,14 @@ def test_outputs_match_colocated(pd: PD) -> None:
              lambda n: n >= len(reqs), SETTLE_S)
     wait_tables_zero(pd.daemon_urls(), SETTLE_S)
     wait_kv_usage({"prefill": pd.prefill.url, "decode": pd.decode.url}, {"prefill": 0.0, "decode": 0.0}, SETTLE_S)
-    if pd.verify:
-        def delta() -> dict[str, float]:
-            now = verify_results(pd.decode_daemon.url) or {}
-            return {k: v - verified_before.get(k, 0.0) for k, v in now.items() if v - verified_before.get(k, 0.0)}
-
-        checked = wait_for("D daemon's verified pushes", delta,
-                           lambda d: sum(d.values()) >= len(reqs), SETTLE_S)
-        assert checked.get("identical", 0) == len(reqs) and sum(checked.values()) == len(reqs), (
-            f"verify mode: {checked} for {len(reqs)} pushes")
+    _assert_verified(pd, verified_before, len(reqs))
 
 
 def test_prefix_cache_hit_on_d(pd: PD) -> None:
+    """D's prefix cache serves the repeated and the shared prefix; only the rest is pushed."""
     hits_before = prefix_cache_hits(pd.decode.url)
     done_before = _transfers_done(pd)
+    verified_before = _verified(pd)
     for req in pd.requests.prefix:  # in order: the 2nd and 3rd find the 1st's blocks cached on D
         _assert_same_as_colocated(pd, req.name, generate(pd.proxy.url, req))
 
@@ -111,50 +130,66 @@ def test_prefix_cache_hit_on_d(pd: PD) -> None:
     # The requests with a prefix hit still had their tails pushed from P.
     wait_for("P daemon's completed pushes", lambda: _transfers_done(pd) - done_before,
              lambda n: n >= len(pd.requests.prefix), SETTLE_S)
+    _assert_verified(pd, verified_before, len(pd.requests.prefix))
     wait_tables_zero(pd.daemon_urls(), SETTLE_S)
     wait_kv_usage({"prefill": pd.prefill.url, "decode": pd.decode.url}, {"prefill": 0.0, "decode": 0.0}, SETTLE_S)
 
 
 def test_client_disconnect_mid_stream_and_abort_before_scheduling(pd: PD, tokenizer: Any) -> None:
+    """Clients that leave at three points: nothing leaks, P's unclaimed blocks go at its lease."""
     idle = _idle_kv(pd)
-    text = text_with_tokens(tokenizer, 1000, seed=5001)
+    leases_before = metric(scrape(pd.prefill_daemon.url), "pushsvc_leases_expired_total") or 0.0
 
-    # 1. The client of a long stream leaves after the first chunk.
+    # 1. The client of a long stream leaves after the first chunk: D aborts a running request.
     stream = completion("drop-stream", pd.model, text_with_tokens(tokenizer, 600, seed=5002), stream=True,
                         max_tokens=2000)
     first = stream_and_drop(pd.proxy.url, stream, _rid("drop-stream"))
     assert first.startswith(b"HTTP/1.1 200") and b"data:" in first, first[:500]
 
-    # 2. A decode request sent straight to D (its KV would come from P's daemon, which
-    #    never hears of it from P), whose client is gone at once.
-    to_d = completion("drop-d", pd.model, text).with_body(
+    # 2. D aborts a request waiting for its KV: sent straight to D, so P never computes it;
+    #    dropped once D's daemon holds the registration.
+    to_d = completion("drop-d", pd.model, text_with_tokens(tokenizer, 1000, seed=5001)).with_body(
         kv_transfer_params=remote_prefill_params(pd.prefill_daemon.info))
-    post_and_drop(pd.decode.url, to_d, _rid("drop-d"))
+    sock = open_post(pd.decode.url, to_d, _rid("drop-d"))
+    try:
+        wait_for("decode daemon's tables", lambda: tables(pd.decode_daemon.url), lambda t: any(t.values()), 10,
+                 interval=0.05)
+    finally:
+        sock.close()
+    wait_tables_zero({"decode": pd.decode_daemon.url}, SETTLE_S)
 
-    # 3. A burst through the proxy; two of its requests are dropped right after sending,
-    #    while the others keep both servers busy.
-    burst = [completion(f"burst-{i}", pd.model, text_with_tokens(tokenizer, 700 + 100 * i, seed=5100 + i))
-             for i in range(6)]
-    dropped = [completion(f"burst-drop-{i}", pd.model, text_with_tokens(tokenizer, 1200, seed=5200 + i))
-               for i in range(2)]
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(generate, pd.proxy.url, r) for r in burst]
-        drops = [pool.submit(post_and_drop, pd.proxy.url, r, _rid(r.name), after_s)
-                 for r, after_s in zip(dropped, (0.0, 0.05))]
-        for f in drops:
-            f.result()
-        outcomes = [f.result() for f in futures]
-    assert all(o.ok for o in outcomes), [str(o) for o in outcomes]
+    # 3. D aborts a request it never scheduled: with D's scheduler frozen, P computes the
+    #    prompt and keeps its blocks for D, the client leaves, D drops the queued request.
+    #    Only P's lease can free P's blocks.
+    dropped = completion("drop-queued", pd.model, text_with_tokens(tokenizer, 1200, seed=5003))
+    gone_before = _proxy_client_gone(pd)
+    with paused(pd.decode.url):
+        sock = open_post(pd.proxy.url, dropped, _rid("drop-queued"))
+        try:
+            wait_for("prefill daemon's tables", lambda: tables(pd.prefill_daemon.url), lambda t: any(t.values()),
+                     30, interval=0.05)
+        finally:
+            sock.close()
+        # The proxy sees the client leave and closes D's leg; D's API server then aborts
+        # the queued request (give it a moment: after the resume it would be too late).
+        wait_for("proxy's count of clients that left", lambda: _proxy_client_gone(pd) - gone_before,
+                 lambda n: n >= 1, 10, interval=0.05)
+        time.sleep(1.0)
+        assert not any(tables(pd.decode_daemon.url).values()), "D registered a request it never scheduled"
+    held_since = time.monotonic()
 
     # Within P's lease everything is released: the daemons' tables and vLLM's blocks.
-    deadline = LEASE_S + 15
-    wait_tables_zero(pd.daemon_urls(), deadline)
-    wait_kv_usage({"prefill": pd.prefill.url, "decode": pd.decode.url}, idle, deadline)
+    wait_tables_zero(pd.daemon_urls(), LEASE_S + 15)
+    wait_kv_usage({"prefill": pd.prefill.url, "decode": pd.decode.url}, idle, LEASE_S + 15)
+    leases = (metric(scrape(pd.prefill_daemon.url), "pushsvc_leases_expired_total") or 0.0) - leases_before
+    assert leases == 1, f"{leases} P leases expired; expected the dropped request's (after {LEASE_S}s)"
+    assert time.monotonic() - held_since > LEASE_S / 2, "P's blocks were released before its lease ran out"
     # ... and the stack still serves, with colocated outputs.
     _assert_same_as_colocated(pd, "later-30", generate(pd.proxy.url, pd.req("later-30")))
 
 
 def test_daemon_restart_while_vllm_runs(pd: PD) -> None:
+    """Daemons killed mid-transfer: the request fails at once; restarted, they serve again."""
     idle = _idle_kv(pd)
     # In flight on D: a request waiting for KV (from a P that never computes it).
     to_d = pd.req("later-900").with_body(kv_transfer_params=remote_prefill_params(pd.prefill_daemon.info))
@@ -188,6 +223,7 @@ def test_daemon_restart_while_vllm_runs(pd: PD) -> None:
     time.sleep(2.5)
 
     # P's daemon has a new side-channel port: the proxy may use the old one once.
+    done_before = _transfers_done(pd)
     names = ("later-30", "later-300", "later-900", "later-30")
     outcomes = [generate(pd.proxy.url, pd.req(name)) for name in names]
     failures = [i for i, o in enumerate(outcomes) if not o.ok]
@@ -195,12 +231,16 @@ def test_daemon_restart_while_vllm_runs(pd: PD) -> None:
     for name, out in zip(names, outcomes):
         if out.ok:
             _assert_same_as_colocated(pd, name, out)
+    successes = len(names) - len(failures)
+    wait_for("the new P daemon's completed pushes", lambda: _transfers_done(pd) - done_before,
+             lambda n: n >= successes, SETTLE_S)
     # A failed first request leaves P's blocks to the new lease.
     wait_tables_zero(pd.daemon_urls(), LEASE_S + 10)
     wait_kv_usage({"prefill": pd.prefill.url, "decode": pd.decode.url}, idle, LEASE_S + 10)
 
 
 def test_p_killed_d_fails_at_watchdog(pd: PD) -> None:
+    """P gone: D fails a request that waits for P's KV by its watchdog, and keeps serving."""
     idle_d = kv_usage(pd.decode.url)
     os.killpg(pd.prefill.popen.pid, signal.SIGKILL)
     pd.prefill.popen.wait(30)

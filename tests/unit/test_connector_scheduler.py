@@ -128,12 +128,6 @@ def test_p_aborted_or_empty_requests_do_not_hold_blocks(sched):
     assert not sched.has_pending_push_work()
 
 
-def test_d_aborted_before_scheduling_needs_nothing(sched):
-    req = Req("d1", d_params(), status=Status.FINISHED_ABORTED)
-    assert sched.request_finished(req, []) == (False, None)
-    assert sched.build_connector_meta(1).empty
-
-
 def test_d_aborted_before_its_registration_shipped_is_released_at_once(sched):
     req = Req("d1", d_params())
     sched.update_state_after_alloc(req, Blocks([[1, 2]]), 256)
@@ -157,3 +151,21 @@ def test_d_aborted_while_receiving_is_evicted_through_the_daemon(sched):
 def test_metadata_is_empty_when_nothing_happened(sched):
     meta = sched.build_connector_meta(3)
     assert meta.empty and not meta.idle
+
+
+def test_p_returns_its_daemons_coordinates(clock):
+    coords = {"remote_engine_id": "prefill", "remote_host": "127.0.0.1", "remote_port": 8472, "remote_tp_size": 1}
+    sched = PushScheduler(watchdog_s=30.0, lease_s=20.0, clock=clock, coordinates=lambda: coords)
+    req = Req("p1", {"do_remote_decode": True}, status=Status.FINISHED_LENGTH_CAPPED)
+    delay, params = sched.request_finished(req, [1])
+    assert delay and {k: params[k] for k in coords} == coords
+
+
+def test_d_never_scheduled_sends_an_empty_registration_that_releases_p(sched):
+    req = Req("d1", d_params(), status=Status.FINISHED_ABORTED)
+    assert sched.request_finished(req, []) == (False, None)
+    meta = sched.build_connector_meta(1)
+    assert meta.recvs == {} and meta.dropped_recvs == []  # vLLM waits for nothing
+    [release] = meta.releases
+    assert release.request_id == "d1" and release.local_block_ids == []
+    assert (release.remote_engine_id, release.remote_port) == ("prefill", 8472)

@@ -52,6 +52,7 @@ WORKER_MESSAGES = [
     worker.Evict(request_ids=["a", "b", "c"]),
     worker.Evict(request_ids=[]),
     worker.Ping(token=2**63 - 1),
+    worker.Describe(),
     worker.Ping(),
 ]
 
@@ -76,6 +77,7 @@ WORKER_TAGS = {
     worker.SendReady: "send_ready",
     worker.Evict: "evict",
     worker.Ping: "ping",
+    worker.Describe: "describe",
     worker.Welcome: "welcome",
     worker.KVRegistered: "kv_registered",
     worker.ArenaGranted: "arena_granted",

@@ -461,3 +461,31 @@ async def test_verify_on_d_without_digests_from_p_fails_clearly() -> None:
         event = await pair.dw.wait_for((wp.RecvDone, wp.RecvFailed), D_ID)
         assert isinstance(event, wp.RecvFailed) and "verify" in event.reason
         await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_empty_registration_releases_p_without_writing() -> None:
+    async with push_pair() as pair:
+        before = pair.dw.snapshot()
+        pair.send_ready(P_ID, [0, 1])
+        pair.dw.send(wp.RegisterRecv(request_id=D_ID, local_block_ids=[], remote_engine_id=pair.p.config.engine_id,
+                                     remote_host="127.0.0.1", remote_port=pair.p.service.peers.port))
+        assert isinstance(await pair.pw.wait_for((wp.SendDone, wp.SendFailed), P_ID), wp.SendDone)
+        assert isinstance(await pair.dw.wait_for((wp.RecvDone, wp.RecvFailed), D_ID), wp.RecvDone)
+        assert metric(pair.p, "pushsvc_transfers_total", result="released") == 1
+        assert metric(pair.p, "pushsvc_transfers_total", result="done") == 0
+        assert np.array_equal(pair.dw.snapshot(), before)
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_describe_names_the_daemon_without_registering_a_worker() -> None:
+    import asyncio
+
+    from pushsvc.client import describe_daemon
+
+    async with push_pair() as pair:
+        welcome = await asyncio.to_thread(describe_daemon, pair.p.config.socket_path)
+        assert welcome.engine_id == pair.p.config.engine_id
+        assert welcome.side_channel_port == pair.p.service.peers.port
+        assert sorted(pair.p.service.ranks) == [0]  # still only the real worker
