@@ -130,10 +130,13 @@ class WorkerConn:
         elif self.state is ConnState.HELLO:
             if not isinstance(msg, wp.Hello):
                 raise ProtocolError(f"expected hello, got {type(msg).__name__}")
-            self.send(service.attach_worker(self, msg))
+            welcome = service.attach_worker(self, msg)
             self.rank = service.ranks[msg.rank]
+            # READY before the welcome goes out: if the worker is already gone, the
+            # failed send closes a READY connection, which detaches it from its rank.
             self.state = ConnState.READY
             log.info("worker_connected", rank=msg.rank, role=msg.role, pid=self.pid, uid=self.uid)
+            self.send(welcome)
         elif isinstance(msg, wp.Hello):
             raise ProtocolError("hello sent twice")
         elif isinstance(msg, wp.RegisterKV):

@@ -379,3 +379,23 @@ async def test_hello_without_engine_id_takes_the_daemons() -> None:
             assert d.service.ranks[0].engine_id == d.config.engine_id
         finally:
             client.close()
+
+
+@pytest.mark.asyncio
+async def test_worker_gone_before_its_welcome_does_not_keep_the_rank() -> None:
+    import socket as socket_mod
+
+    async with daemon() as d:
+        # A worker whose connect timed out: hello sent, gone before the welcome.
+        raw = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+        raw.connect(d.config.socket_path)
+        raw.sendall(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR)
+                    + frame(wp.encode(wp.Hello(engine_id="", rank=0, tp_size=1, role="both"))))
+        raw.close()
+        await wait_until(lambda: not d.workers.conns, "the daemon to drop the dead connection")
+        client = DaemonClient(d.config.socket_path, engine_id="", rank=0, tp_size=1, role="both", timeout_s=WAIT_S)
+        try:
+            welcome = await asyncio.to_thread(client.connect)
+            assert welcome.engine_id == d.config.engine_id
+        finally:
+            client.close()
