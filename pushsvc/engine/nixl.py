@@ -145,6 +145,9 @@ class NixlEngine:
     def __init__(self, backends: list[str], progress_thread: bool = False) -> None:
         self.backends = list(backends)
         self.progress_thread = progress_thread
+        # Import NIXL (seconds on a loaded host) now, before the daemon reports ready,
+        # not inside the first worker's hello while the event loop waits.
+        _import_nixl()
 
     def create_agent(self, name: str) -> NixlAgent:
         return NixlAgent(name, self.backends, self.progress_thread)

@@ -285,6 +285,8 @@ class WorkerServer:
         self.conns.add(conn)
         self.metrics.worker_connections.set(len(self.conns))
         conn.send_raw(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR))
+        if conn.state is ConnState.CLOSED:
+            return  # the client left before our preamble could go out
         self.loop.add_reader(sock.fileno(), conn.on_readable)
 
     def forget(self, conn: WorkerConn) -> None:
