@@ -29,5 +29,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
+# Transfer microbenchmarks + serving (colocated, vLLM NixlConnector, NixlPushConnector, pushsvc).
+# Results, table.md and charts under bench-results/<time>/; see docs/benchmarks.md.
+# make bench BENCH_ARGS=--quick for a smoke run; BENCH_ARGS="--skip-serving" for the transfer part only.
+bench: $(STAMP)
+	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,7 +1,13 @@
 """Daemon push, side by side with the in-process NIXL baseline, plus the control-path
-figures: idle daemon CPU, worker message round trip, idle ``poll()`` cost.
+figures: idle daemon CPU, worker message round trip, per-request control overhead, idle
+``poll()`` cost.
 
-    python benchmarks/daemon_push.py [--sizes 1M,16M,256M] [--block-len 64K] [--json out.json]
+A push is timed from the P worker's ``SendReady`` (D's registration already at P, as when
+prefill takes longer than the registration) until both workers heard of it: ``SendDone``
+at P and ``RecvDone`` at D. That is what the engines wait for; the in-process baseline
+(``nixl_pair.py``) is timed from the WRITE post until DONE and the notification was seen.
+
+    python benchmarks/daemon_push.py [--sizes 64K,1M,16M,256M] [--block-len 64K] [--json out.json]
 """
 
 from __future__ import annotations
@@ -64,81 +70,119 @@ def _worker(d: Daemon, role: str, total: int, block_len: int):
     return c, buf
 
 
-def _wait(clients, rid: str) -> None:
+def _wait(clients, rid: str) -> list[float]:
+    """Block until every client has an event for ``rid``; when each arrived."""
     # Block in select() like an engine between steps would, instead of spinning: on a
     # 2-core host a spinning client would steal the core a daemon needs.
     pending = set(range(len(clients)))
+    seen = [0.0] * len(clients)
     while pending:
         select.select([clients[i] for i in pending], [], [], 1.0)
         for i in list(pending):
             if any(getattr(e, "request_id", None) == rid for e in clients[i].poll()):
+                seen[i] = time.perf_counter()
                 pending.discard(i)
+    return seen
 
 
-def run(sizes: list[int], block_len: int, repeats: int) -> dict:
-    base = tempfile.mkdtemp(prefix="psbench-")
-    P, D = Daemon(base, "prefill"), Daemon(base, "decode")
+class Pair:
+    """A P and a D daemon, each with one registered worker client over ``total`` bytes."""
+
+    def __init__(self, total: int, block_len: int) -> None:
+        self.base = tempfile.mkdtemp(prefix="psbench-")
+        self.P = self.D = None
+        try:
+            self.P = Daemon(self.base, "prefill")
+            self.D = Daemon(self.base, "decode")
+            self.pc, self.pbuf = _worker(self.P, "producer", total, block_len)
+            self.dc, self.dbuf = _worker(self.D, "consumer", total, block_len)
+        except BaseException:
+            self.close()
+            raise
+        self.seq = 0
+
+    def push(self, blocks: int) -> tuple[float, float, float]:
+        """One push of ``blocks`` blocks: seconds until (both, P's SendDone, D's RecvDone)."""
+        self.seq += 1
+        rid = f"bench-{self.seq}"
+        ids = list(range(blocks))
+        self.dc.send(wp.RegisterRecv(request_id=rid, local_block_ids=[ids], remote_engine_id="prefill",
+                                     remote_host="127.0.0.1", remote_port=self.P.info["side_channel_port"]))
+        time.sleep(0.005)  # the registration reaches P first, as when prefill takes longer
+        t0 = time.perf_counter()
+        self.pc.send(wp.SendReady(request_id=rid, block_ids=[ids]))
+        p_done, d_done = _wait([self.pc, self.dc], rid)
+        return max(p_done, d_done) - t0, p_done - t0, d_done - t0
+
+    def close(self) -> None:
+        for c in ("pc", "dc"):
+            if hasattr(self, c):
+                getattr(self, c).close()
+        for d in (self.P, self.D):
+            if d is not None:
+                d.stop()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def run(sizes: list[int], block_len: int, repeats: int, control: bool = True, idle_window: float = 10.0) -> dict:
+    """Push each size ``repeats`` times (after one warm-up) through a fresh daemon pair.
+    With ``control``, also the control-path figures and (``idle_window`` > 0) idle CPU."""
+    pair = Pair(max(sizes), block_len)
     try:
-        total = max(sizes)
-        pc, pbuf = _worker(P, "producer", total, block_len)
-        dc, dbuf = _worker(D, "consumer", total, block_len)
         rows = []
-        seq = 0
         for size in sizes:
             n = size // block_len
-            ids = list(range(n))
-            times = []
-            for rep in range(repeats + 1):
-                seq += 1
-                rid = f"bench-{seq}"
-                dc.send(wp.RegisterRecv(request_id=rid, local_block_ids=[ids], remote_engine_id="prefill",
-                                        remote_host="127.0.0.1", remote_port=P.info["side_channel_port"]))
-                _wait_registered = time.perf_counter()
-                time.sleep(0.005)  # the registration reaches P first, as when prefill takes longer
-                t0 = time.perf_counter()
-                pc.send(wp.SendReady(request_id=rid, block_ids=[ids]))
-                _wait([pc, dc], rid)
-                if rep:
-                    times.append(time.perf_counter() - t0)
+            times = [pair.push(n)[0] for _ in range(repeats + 1)][1:]
             rows.append({"size": size, "blocks": n, "block_len": block_len, "push_s": statistics.median(times)})
-        # Control path: round trip of a worker message, idle poll cost, idle CPU.
+        res: dict = {"push": rows}
+        if not control:
+            return res
+        pc = pair.pc
+        # Round trip of a worker message through the daemon's event loop.
         n = 2000
         t0 = time.perf_counter()
         for i in range(n):
             pc.send(wp.Ping(token=i))
             while not any(isinstance(e, wp.Pong) for e in pc.poll()):
                 pass
-        rtt_us = (time.perf_counter() - t0) / n * 1e6
+        res["rtt_us"] = (time.perf_counter() - t0) / n * 1e6
+        # Per-request control overhead: the smallest push (one block), many times.
+        one = [pair.push(1) for _ in range(51)][1:]
+        res["one_block"] = {"block_len": block_len,
+                            "both_us": statistics.median(t[0] for t in one) * 1e6,
+                            "send_done_us": statistics.median(t[1] for t in one) * 1e6,
+                            "recv_done_us": statistics.median(t[2] for t in one) * 1e6}
         n = 200000
         t0 = time.perf_counter()
         for _ in range(n):
             pc.poll()
-        poll_us = (time.perf_counter() - t0) / n * 1e6
-        procs = [psutil.Process(P.proc.pid), psutil.Process(D.proc.pid)]
-        time.sleep(1.0)
-        before = [sum(p.cpu_times()[:2]) for p in procs]
-        window = 10.0
-        time.sleep(window)
-        idle = [(sum(p.cpu_times()[:2]) - b) / window * 100 for p, b in zip(procs, before)]
-        pc.close(), dc.close()
-        return {"push": rows, "rtt_us": rtt_us, "idle_poll_us": poll_us, "idle_cpu_percent": idle}
+        res["idle_poll_us"] = (time.perf_counter() - t0) / n * 1e6
+        if idle_window > 0:
+            procs = [psutil.Process(pair.P.proc.pid), psutil.Process(pair.D.proc.pid)]
+            time.sleep(1.0)
+            before = [sum(p.cpu_times()[:2]) for p in procs]
+            time.sleep(idle_window)
+            res["idle_cpu_percent"] = [(sum(p.cpu_times()[:2]) - b) / idle_window * 100
+                                       for p, b in zip(procs, before)]
+            res["idle_window_s"] = idle_window
+        return res
     finally:
-        P.stop()
-        D.stop()
-        shutil.rmtree(base, ignore_errors=True)
+        pair.close()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="64K,1M,16M,64M,256M")
+    ap.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M,256M")
     ap.add_argument("--block-len", default="64K")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--idle-window", type=float, default=10.0)
     ap.add_argument("--json")
     args = ap.parse_args()
     sizes = [_size(s) for s in args.sizes.split(",")]
     block_len = _size(args.block_len)
     base = {r["size"]: r for r in nixl_pair.run(sizes, block_len, args.repeats)}
-    res = run(sizes, block_len, args.repeats)
+    one = nixl_pair.run([block_len], block_len, 50)[0]
+    res = run(sizes, block_len, args.repeats, idle_window=args.idle_window)
     print(f"{'size':>10} {'blocks':>7} {'in-process ms':>14} {'GB/s':>7} {'daemon ms':>10} {'GB/s':>7} {'ratio':>6}")
     for r in res["push"]:
         b = base[r["size"]]
@@ -147,9 +191,14 @@ def main() -> int:
         r.update(inproc_s=b["notified_s"], inproc_write_s=b["write_s"])
         print(f"{r['size'] / 2**20:>9.2f}M {r['blocks']:>7} {b['notified_s'] * 1e3:>14.3f} {gbs_b:>7.2f} "
               f"{r['push_s'] * 1e3:>10.3f} {gbs_d:>7.2f} {gbs_d / gbs_b:>6.2f}")
+    o = res["one_block"]
     print(f"worker message round trip: {res['rtt_us']:.1f} us; idle poll(): {res['idle_poll_us']:.2f} us")
-    print(f"idle daemon CPU (10 s, one worker registered): P {res['idle_cpu_percent'][0]:.2f}% "
-          f"D {res['idle_cpu_percent'][1]:.2f}% of a core")
+    print(f"one {block_len >> 10} KiB block: daemon {o['both_us']:.0f} us (P SendDone {o['send_done_us']:.0f}, "
+          f"D RecvDone {o['recv_done_us']:.0f}), in-process {one['notified_s'] * 1e6:.0f} us: "
+          f"control overhead {o['both_us'] - one['notified_s'] * 1e6:.0f} us per request")
+    if "idle_cpu_percent" in res:
+        print(f"idle daemon CPU ({args.idle_window:.0f} s, one worker registered): P {res['idle_cpu_percent'][0]:.2f}% "
+              f"D {res['idle_cpu_percent'][1]:.2f}% of a core")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

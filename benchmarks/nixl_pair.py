@@ -2,8 +2,11 @@
 
 Two processes, each owning its memory and a NIXL agent (progress thread off, as in the
 daemon). The initiator prepares block descriptors once, then for each size posts one
-WRITE with a notification and polls until DONE; the target polls for the notification.
-Run as ``python nixl_pair.py`` (it forks the target itself); prints JSON lines.
+WRITE with a notification and polls until DONE; the target polls for the notification
+and reports when it saw it. Both read ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock
+for every process on a host), so "notified" is measured from the post to the moment the
+target saw the notification, with no pipe round trip in it.
+Run as ``python nixl_pair.py [sizes] [block_len]`` (it spawns the target itself); prints JSON lines.
 """
 
 from __future__ import annotations
@@ -33,23 +36,22 @@ def _target(conn, total: int, block_len: int) -> None:
     conn.send((agent.metadata(), descriptor_table(layout)))
     peer_meta = conn.recv()
     agent.add_remote(peer_meta)
-    # The target keeps calling into its agent: with no progress thread, UCX connection
-    # set-up and notification delivery need both sides to make progress.
+    # Between measurements the target blocks on the pipe; once told which notification to
+    # expect it spins on its agent (no progress thread: UCX connection set-up and
+    # notification delivery advance only while both sides call into their agents).
     seen: set[bytes] = set()
     while True:
-        for msgs in agent.notifs().values():
-            seen.update(msgs)
-        if not conn.poll(0):
-            continue
         cmd = conn.recv()
         if cmd is None:
             break
         want = cmd.encode()
+        conn.send("armed")
         while want not in seen:
             for msgs in agent.notifs().values():
                 seen.update(msgs)
+        seen_at = time.perf_counter()
         seen.discard(want)
-        conn.send("ok")
+        conn.send(seen_at)
 
 
 def run(sizes: list[int], block_len: int, repeats: int) -> list[dict]:
@@ -73,18 +75,18 @@ def run(sizes: list[int], block_len: int, repeats: int) -> list[dict]:
         times, notif_times = [], []
         for rep in range(repeats + 1):
             tag = f"bench-{size}-{rep}"
+            parent.send(tag)
+            parent.recv()  # "armed": the target is polling for this notification
             t0 = time.perf_counter()
             handle, state = agent.write(local, idx, remote, idx, tag.encode())
             while state is XferState.PROC:
                 state = agent.state(handle)
             t1 = time.perf_counter()
             agent.release(handle)
-            parent.send(tag)
-            parent.recv()
-            t2 = time.perf_counter()
+            seen_at = parent.recv()
             if rep:  # the first is a warm-up (connection set-up)
                 times.append(t1 - t0)
-                notif_times.append(t2 - t0)
+                notif_times.append(max(t1, seen_at) - t0)
         out.append({"size": size, "blocks": n, "block_len": block_len, "write_s": float(np.median(times)),
                     "notified_s": float(np.median(notif_times))})
     parent.send(None)

@@ -1,0 +1,290 @@
+"""Serving benchmark: the same model, prompts and vLLM build through four deployments.
+
+* ``colocated``: one vLLM server, no connector (the reference outputs and the TTFT floor).
+* ``vllm-pull``: P/D with vLLM's ``NixlConnector`` (D READs from P), driven like vLLM's
+  toy proxy (``vllm_proxy.py --mode pull``).
+* ``vllm-push``: P/D with vLLM's ``NixlPushConnector`` (P WRITEs into D), driven like
+  its authors' push proxy (``vllm_proxy.py --mode push``).
+* ``pushsvc``: P/D with ``PushsvcConnector``, one daemon per instance, ``pushsvc proxy``.
+
+P/D deployments pin P's worker to core 0 and D's to core 1 (``VLLM_CPU_OMP_THREADS_BIND``).
+For each deployment: start, warm up (first handshakes; not measured), measure idle CPU,
+then every (prompt set, concurrency) workload; per workload TTFT, per-token latency,
+requests/s, CPU seconds per request over every process of the deployment, and how many
+outputs equal the colocated ones.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from loadgen import Prompt, run_batch, summarize
+from procstats import CpuMeter, total
+
+from pushsvc.launch import Proc, Stack, connector_config, free_port
+
+HERE = Path(__file__).resolve().parent
+NOPROG_DIR = HERE / "nixl_noprog"
+WARMUP_TRIES = 3
+# Every workload sends the same prompts again: without this, later runs would hit the
+# prefix cache (on P, on D, or colocated) and measure no prefill and no transfer.
+VLLM_EXTRA = ("--no-enable-prefix-caching",)
+WARMUP_TIMEOUT_S = 60.0
+
+
+class BenchStack(Stack):
+    """``Stack`` with extra environment variables per process name (vLLM's NIXL side
+    channel is configured only through the environment)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.env_for: dict[str, dict[str, str]] = {}
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        return super()._spawn(name, argv, {**(env or {}), **self.env_for.get(name, {})})
+
+
+@dataclass
+class Deployment:
+    url: str
+    roots: dict[str, int]  # label -> pid of a process tree that belongs to this deployment
+
+
+@dataclass(frozen=True)
+class Anchor:
+    name: str
+    title: str
+    settings: dict
+    start: Callable[[BenchStack, str], Deployment]
+    # A variant that may not work at all gets one short warm-up instead of three.
+    warmup_tries: int = 3
+    warmup_timeout_s: float = 60.0
+
+
+def _together(stack: Stack, starts: dict[str, Callable[[], Proc]]) -> list[Proc]:
+    """Start servers in parallel (vLLM start-up is mostly single-threaded Python)."""
+    results: dict[str, Proc | BaseException] = {}
+
+    def run(name: str, fn: Callable[[], Proc]) -> None:
+        try:
+            results[name] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in starts.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.2)
+    for r in results.values():
+        if isinstance(r, BaseException):
+            raise r
+    return [results[n] for n in starts]  # type: ignore[misc]
+
+
+def _ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------- anchors
+
+
+def _colocated(stack: BenchStack, model: str) -> Deployment:
+    p = stack.vllm("colocated", model, extra=VLLM_EXTRA)
+    return Deployment(p.url, {"vllm": p.popen.pid})
+
+
+def _nixl(mode: str, prog_thread: bool, extra: dict, name: str) -> Callable[[BenchStack, str], Deployment]:
+    connector = {"pull": "NixlConnector", "push": "NixlPushConnector"}[mode]
+
+    def start(stack: BenchStack, model: str) -> Deployment:
+        ports = {"p": free_port(), "d": free_port()}
+        procs = {}
+        for role in ("p", "d"):
+            env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports[role])}
+            if not prog_thread:
+                env["BENCH_NIXL_PROG_THREAD"] = "0"
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(NOPROG_DIR), os.environ.get("PYTHONPATH")]))
+            stack.env_for[f"{name}-{role}"] = env
+            cfg = {"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                   "engine_id": f"{name}-{role}", **({"kv_connector_extra_config": extra} if extra else {})}
+            cpus = "0" if role == "p" else "1"
+            procs[role] = (lambda r=role, c=cfg, cp=cpus: stack.vllm(f"{name}-{r}", model, kv_transfer_config=c,
+                                                                      cpus=cp, extra=VLLM_EXTRA))
+        p, d = _together(stack, {f"{name}-p": procs["p"], f"{name}-d": procs["d"]})
+        port = free_port()
+        argv = [sys.executable, str(HERE / "vllm_proxy.py"), "--mode", mode, "--prefill", p.url, "--decode", d.url,
+                "--port", str(port)]
+        if mode == "push":
+            argv += ["--prefill-engine-id", f"{name}-p", "--prefill-host", "127.0.0.1",
+                     "--prefill-side-channel-port", str(ports["p"])]
+        proxy = stack._spawn(f"{name}-proxy", argv)
+        proxy.url = f"http://127.0.0.1:{port}"
+        stack._wait(proxy, lambda: _ok(f"{proxy.url}/healthz"), 60)
+        return Deployment(proxy.url, {"P": p.popen.pid, "D": d.popen.pid, "proxy": proxy.popen.pid})
+
+    return start
+
+
+def _pushsvc(stack: BenchStack, model: str) -> Deployment:
+    pd = stack.daemon("pushsvc-daemon-p", "--log-level", "warning")
+    dd = stack.daemon("pushsvc-daemon-d", "--log-level", "warning")
+    p, d = _together(stack, {
+        "pushsvc-p": lambda: stack.vllm("pushsvc-p", model, cpus="0", extra=VLLM_EXTRA,
+                                        kv_transfer_config=connector_config("kv_producer", pd)),
+        "pushsvc-d": lambda: stack.vllm("pushsvc-d", model, cpus="1", extra=VLLM_EXTRA,
+                                        kv_transfer_config=connector_config("kv_consumer", dd)),
+    })
+    proxy = stack.proxy("pushsvc-proxy", [p], [pd], [d])
+    return Deployment(proxy.url, {"P": p.popen.pid, "D": d.popen.pid, "daemon-P": pd.popen.pid,
+                                  "daemon-D": dd.popen.pid, "proxy": proxy.popen.pid})
+
+
+_PD = {"pinning": "P worker on core 0, D worker on core 1 (VLLM_CPU_OMP_THREADS_BIND)"}
+_VLLM = {"flags": "--enforce-eager --max-model-len 4096 --dtype bfloat16 --seed 0 --no-enable-prefix-caching, "
+                  "VLLM_CPU_KVCACHE_SPACE=1"}
+
+
+def anchors(nixl_extra: dict | None = None) -> dict[str, Anchor]:
+    """Every deployment the benchmark knows. vLLM's NIXL connectors come twice: as vLLM
+    ships them (NIXL progress thread on) and with the progress thread off (``-noprog``)."""
+    extra = dict(nixl_extra or {})
+
+    def nixl_settings(prog: bool) -> dict:
+        return {**_VLLM, **_PD, "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                "engine_id": "set per server; VLLM_NIXL_SIDE_CHANNEL_HOST/PORT per server",
+                **({"kv_connector_extra_config": extra} if extra else {}),
+                "nixl_progress_thread": "on (vLLM default)" if prog else
+                "off (enable_prog_thread=False via benchmarks/nixl_noprog/sitecustomize.py)"}
+
+    pull_proxy = "benchmarks/vllm_proxy.py --mode pull (P first, its kv_transfer_params to D)"
+    push_proxy = ("benchmarks/vllm_proxy.py --mode push (P and D legs concurrently, "
+                  "P's engine id + side channel given to D up front)")
+    out = [Anchor("colocated", "colocated vLLM", {**_VLLM, "pinning": "vLLM default (worker on core 0)"}, _colocated)]
+    for prog in (True, False):
+        suffix = "" if prog else "-noprog"
+        note = "" if prog else ", progress thread off"
+        out += [
+            Anchor(f"vllm-pull{suffix}", f"vLLM NixlConnector (pull{note})", {**nixl_settings(prog), "proxy": pull_proxy},
+                   _nixl("pull", prog, extra, f"vllm-pull{suffix}"), *(() if prog else (1, 30.0))),
+            Anchor(f"vllm-push{suffix}", f"vLLM NixlPushConnector (push{note})",
+                   {**nixl_settings(prog), "proxy": push_proxy}, _nixl("push", prog, extra, f"vllm-push{suffix}"),
+                   *(() if prog else (1, 30.0))),
+        ]
+    out.append(Anchor("pushsvc", "pushsvc",
+                      {**_VLLM, **_PD, "daemons": "one per instance, NIXL progress thread off (default), "
+                                                  "log level warning",
+                       "connector": "PushsvcConnector defaults (idle_wait_ms 10)", "proxy": "pushsvc proxy"},
+                      _pushsvc))
+    return {a.name: a for a in out}
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+@dataclass
+class RunRecord:
+    anchor: str
+    prompt_set: str
+    concurrency: int
+    wall_s: float
+    summary: dict
+    cpu_s_per_req: float
+    cpu_by_proc_s: dict
+    matches: int | None
+    compared: int
+    results: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Workload:
+    prompt_set: str
+    concurrency: int
+
+
+def run_anchor(anchor: Anchor, model: str, workdir: Path, prompt_sets: dict[str, list[Prompt]],
+               workloads: list[Workload], warmup: list[Prompt], max_tokens: int, idle_s: float,
+               reference: dict[str, dict[str, str]], bar, log: Callable[[str], None]) -> dict:
+    """Start ``anchor``, run every workload, stop it. ``reference`` maps set -> prompt id ->
+    colocated text (filled in by the colocated anchor when it runs first)."""
+    out: dict = {"anchor": anchor.name, "title": anchor.title, "settings": anchor.settings, "runs": [],
+                 "started": time.time()}
+    started = time.monotonic()
+    with BenchStack(workdir / anchor.name, progress=log) as stack:
+        try:
+            bar.set_description(f"{anchor.name}: starting")
+            dep = anchor.start(stack, model)
+            out["start_s"] = time.monotonic() - started
+            meter = CpuMeter(dep.roots)
+            # Idle CPU before any request: what the deployment costs doing nothing.
+            bar.set_description(f"{anchor.name}: idle CPU (cold)")
+            out["idle_cold_cpu_percent"], out["idle_cold_cpu_percent_total"] = _idle(meter, idle_s)
+            bar.set_description(f"{anchor.name}: warm-up")
+            # The first request pays the NIXL handshakes; vLLM's times out after 5 s and fails
+            # the request, which happens on a loaded 2-core host: allow a few tries.
+            out["warmup"] = []
+            for attempt in range(anchor.warmup_tries):
+                warm, _ = run_batch(dep.url, model, warmup, max_tokens=max_tokens, concurrency=1,
+                                    tag=f"{anchor.name}-w{attempt}", timeout_s=anchor.warmup_timeout_s, max_failures=1)
+                out["warmup"] += [r.to_json() for r in warm]
+                failed = [r for r in warm if not r.ok]
+                if not failed:
+                    break
+                log(f"  {anchor.name}: warm-up try {attempt + 1} failed: {failed[0].error}")
+            else:
+                raise RuntimeError(f"warm-up failed ({anchor.warmup_tries} tries, {anchor.warmup_timeout_s:.0f} s "
+                                   f"timeout): {failed[0].error}")
+            bar.set_description(f"{anchor.name}: idle CPU")
+            out["idle_cpu_percent"], out["idle_cpu_percent_total"] = _idle(meter, idle_s)
+            for wl in workloads:
+                prompts = prompt_sets[wl.prompt_set]
+                bar.set_description(f"{anchor.name}: {wl.prompt_set} c={wl.concurrency}")
+                s0 = meter.snapshot()
+                t_start = time.time()
+                results, wall = run_batch(dep.url, model, prompts, max_tokens=max_tokens,
+                                          concurrency=wl.concurrency, tag=f"{anchor.name}-{wl.prompt_set}-c{wl.concurrency}",
+                                          on_result=lambda r: bar.update(1))
+                used = CpuMeter.delta(s0, meter.snapshot())
+                if anchor.name == "colocated" and wl.concurrency == 1:
+                    reference[wl.prompt_set] = {r.request_id: r.text for r in results if r.ok}
+                ref = reference.get(wl.prompt_set)
+                matches = None if ref is None else sum(1 for r in results if r.ok and ref.get(r.request_id) == r.text)
+                rec = RunRecord(anchor.name, wl.prompt_set, wl.concurrency, wall, asdict(summarize(results, wall)),
+                                total(used) / len(results), used, matches, len(ref or {}),
+                                [r.to_json() for r in results])
+                out["runs"].append({**asdict(rec), "started": t_start, "ended": time.time()})
+                errors = [r.error for r in results if not r.ok]
+                if errors:
+                    log(f"  {anchor.name} {wl.prompt_set} c={wl.concurrency}: {len(errors)} failed, e.g. {errors[0]}")
+                time.sleep(1.0)
+        except Exception as exc:  # noqa: BLE001 - recorded; the next anchor still runs
+            out["error"] = f"{type(exc).__name__}: {exc}"
+            out["traceback"] = traceback.format_exc()
+            log(f"  {anchor.name} FAILED: {out['error'][:2000]}")
+        finally:
+            bar.set_description(f"{anchor.name}: stopping")
+    out["total_s"] = time.monotonic() - started
+    out["ended"] = time.time()
+    return out
+
+
+def _idle(meter: CpuMeter, seconds: float) -> tuple[dict[str, float], float]:
+    """% of a core used by each process of the deployment over ``seconds`` of no requests."""
+    time.sleep(2.0)  # let the last request's tail (frees, leases) settle
+    s0 = meter.snapshot()
+    time.sleep(seconds)
+    used = CpuMeter.delta(s0, meter.snapshot())
+    return {k: v / seconds * 100 for k, v in used.items()}, total(used) / seconds * 100
