@@ -109,10 +109,21 @@ class Stack:
         env = {**VLLM_ENV, "VLLM_LOGGING_LEVEL": self.vllm_log_level}
         if cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
-        proc = self._spawn(name, argv, env)
-        proc.url = f"http://127.0.0.1:{port}"
-        self._wait(proc, lambda: _ok(f"{proc.url}/health"), timeout)
-        return proc
+        for attempt in (1, 2):
+            proc = self._spawn(name, argv, env)
+            proc.url = f"http://127.0.0.1:{port}"
+            try:
+                self._wait(proc, lambda: _ok(f"{proc.url}/health"), timeout)
+                return proc
+            except RuntimeError:
+                # On a host loaded by other work, vLLM's worker start-up has been seen to
+                # die once and start fine the next time; a second death is reported.
+                if attempt == 2 or proc.alive():
+                    raise
+                self.progress(f"  {name} exited during start-up ({proc.log}); starting it once more")
+                self.procs.remove(proc)
+                proc.log.rename(proc.log.with_suffix(".failed.log"))
+        raise AssertionError("unreachable")
 
     def proxy(self, name: str, prefill: list[Proc], prefill_daemons: list[Proc], decode: list[Proc],
               port: int = 0) -> Proc:
