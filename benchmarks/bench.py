@@ -218,7 +218,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="output folder (default bench-results/<time>)")
     ap.add_argument("--model-dir", default=str(ROOT / "bench-results" / "tiny-model"))
-    ap.add_argument("--anchors", default="colocated,vllm-pull,vllm-push,pushsvc")
+    ap.add_argument("--anchors", default="colocated,vllm-pull,vllm-push,vllm-pull-noprog,vllm-push-noprog,pushsvc")
     ap.add_argument("--mixed", type=int, default=24, help="mixed-length prompts (8-600 words)")
     ap.add_argument("--long", type=int, default=8, help="long prompts (1000-1500 tokens)")
     ap.add_argument("--concurrency", default="1,8")

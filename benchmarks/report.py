@@ -93,7 +93,7 @@ def transfer_tables(tr: dict) -> str:
 
 
 SERVING_HEAD = ["deployment", "prompts", "c", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "req/s", "CPU s/req",
-                "= colocated", "foreign vLLM"]
+                "= colocated c=1 (same c)", "foreign vLLM"]
 
 
 def serving_rows(sv: dict) -> list[list[str]]:
@@ -107,6 +107,8 @@ def serving_rows(sv: dict) -> list[list[str]]:
             ok = s["n"] - s["failed"]
             same = "ref" if a["anchor"] == "colocated" and r["concurrency"] == 1 else (
                 "n/a" if r["matches"] is None else f"{r['matches']}/{s['n']}")
+            if r["concurrency"] != 1 and r.get("matches_same_c") is not None:
+                same += f" ({'ref' if a['anchor'] == 'colocated' else r['matches_same_c']})"
             rows.append([a["anchor"], r["prompt_set"], str(r["concurrency"]), _f(s["ttft_p50_ms"]),
                          _f(s["ttft_p90_ms"]), _f(s["tpot_p50_ms"], ".2f"), _f(s["req_per_s"], ".2f"),
                          f"{r['cpu_s_per_req']:.2f}", same + ("" if ok == s["n"] else f" ({s['failed']} failed)"),
@@ -114,8 +116,23 @@ def serving_rows(sv: dict) -> list[list[str]]:
     return rows
 
 
+def timer_lines(sv: dict) -> list[str]:
+    """Where pushsvc's requests spent their time, from the daemons' histograms."""
+    lines = []
+    for a in sv["anchors"]:
+        for r in a.get("runs", []):
+            t = r.get("daemon_timers_ms")
+            if t:
+                lines.append(f"{a['anchor']} {r['prompt_set']} c={r['concurrency']}: P blocks staged -> WRITE posted "
+                             f"{_f(t.get('P:pushsvc_match_wait_seconds_mean_ms'))} ms, WRITE "
+                             f"{_f(t.get('P:pushsvc_transfer_seconds_mean_ms'), '.2f')} ms, D registration -> KV in "
+                             f"{_f(t.get('D:pushsvc_recv_seconds_mean_ms'))} ms (means)")
+    return lines
+
+
 def serving_table(sv: dict) -> str:
-    return "\n".join(["", f"Serving ({sv.get('note', '')})", _text_table(SERVING_HEAD, serving_rows(sv))])
+    return "\n".join(["", f"Serving ({sv.get('note', '')})", _text_table(SERVING_HEAD, serving_rows(sv)),
+                      *timer_lines(sv)])
 
 
 def _group(label: str) -> str:
@@ -210,7 +227,8 @@ def markdown(res: dict) -> str:
     parts = [f"Run {res.get('started', '')}, {res.get('elapsed_s', 0) / 60:.1f} min, host: {res.get('host', {})}"]
     sv = res.get("serving")
     if sv:
-        parts += ["", f"### Serving ({sv.get('note', '')})", "", _md_table(SERVING_HEAD, serving_rows(sv)),
+        parts += ["", f"### Serving ({sv.get('note', '')})", "", _md_table(SERVING_HEAD, serving_rows(sv)), "",
+                  *[f"- {line}" for line in timer_lines(sv)],
                   "", "### Idle CPU per deployment", "", _md_table(IDLE_HEAD, idle_rows(sv))]
     tr = res.get("transfer")
     if tr:

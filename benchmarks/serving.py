@@ -56,6 +56,39 @@ class BenchStack(Stack):
 class Deployment:
     url: str
     roots: dict[str, int]  # label -> pid of a process tree that belongs to this deployment
+    metrics: dict[str, str] = field(default_factory=dict)  # label -> Prometheus /metrics URL
+
+
+# Daemon histograms whose per-workload mean says where a pushsvc request's time goes.
+DAEMON_TIMERS = ("pushsvc_match_wait_seconds", "pushsvc_transfer_seconds", "pushsvc_recv_seconds")
+
+
+def _scrape(urls: dict[str, str]) -> dict[str, float]:
+    """``label:metric_sum`` / ``label:metric_count`` for DAEMON_TIMERS at each URL."""
+    out: dict[str, float] = {}
+    for label, url in urls.items():
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in DAEMON_TIMERS:
+                out[f"{label}:{name}"] = float(value)
+    return out
+
+
+def _timer_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean milliseconds per observation of each timer between two scrapes."""
+    means = {}
+    for key in after:
+        if key.endswith("_sum"):
+            base = key[: -len("_sum")]
+            n = after.get(base + "_count", 0) - before.get(base + "_count", 0)
+            if n > 0:
+                means[base + "_mean_ms"] = (after[key] - before.get(key, 0.0)) / n * 1e3
+    return means
 
 
 @dataclass(frozen=True)
@@ -150,7 +183,8 @@ def _pushsvc(stack: BenchStack, model: str) -> Deployment:
     })
     proxy = stack.proxy("pushsvc-proxy", [p], [pd], [d])
     return Deployment(proxy.url, {"P": p.popen.pid, "D": d.popen.pid, "daemon-P": pd.popen.pid,
-                                  "daemon-D": dd.popen.pid, "proxy": proxy.popen.pid})
+                                  "daemon-D": dd.popen.pid, "proxy": proxy.popen.pid},
+                      {"P": f"{pd.url}/metrics", "D": f"{dd.url}/metrics"})
 
 
 _PD = {"pinning": "P worker on core 0, D worker on core 1 (VLLM_CPU_OMP_THREADS_BIND)"}
@@ -217,9 +251,9 @@ class Workload:
 
 def run_anchor(anchor: Anchor, model: str, workdir: Path, prompt_sets: dict[str, list[Prompt]],
                workloads: list[Workload], warmup: list[Prompt], max_tokens: int, idle_s: float,
-               reference: dict[str, dict[str, str]], bar, log: Callable[[str], None]) -> dict:
-    """Start ``anchor``, run every workload, stop it. ``reference`` maps set -> prompt id ->
-    colocated text (filled in by the colocated anchor when it runs first)."""
+               reference: dict[tuple[str, int], dict[str, str]], bar, log: Callable[[str], None]) -> dict:
+    """Start ``anchor``, run every workload, stop it. ``reference`` maps (set, concurrency)
+    -> prompt id -> colocated text (filled in by the colocated anchor, which runs first)."""
     out: dict = {"anchor": anchor.name, "title": anchor.title, "settings": anchor.settings, "runs": [],
                  "started": time.time()}
     started = time.monotonic()
@@ -252,20 +286,27 @@ def run_anchor(anchor: Anchor, model: str, workdir: Path, prompt_sets: dict[str,
             for wl in workloads:
                 prompts = prompt_sets[wl.prompt_set]
                 bar.set_description(f"{anchor.name}: {wl.prompt_set} c={wl.concurrency}")
+                m0 = _scrape(dep.metrics)
                 s0 = meter.snapshot()
                 t_start = time.time()
                 results, wall = run_batch(dep.url, model, prompts, max_tokens=max_tokens,
                                           concurrency=wl.concurrency, tag=f"{anchor.name}-{wl.prompt_set}-c{wl.concurrency}",
                                           on_result=lambda r: bar.update(1))
                 used = CpuMeter.delta(s0, meter.snapshot())
-                if anchor.name == "colocated" and wl.concurrency == 1:
-                    reference[wl.prompt_set] = {r.request_id: r.text for r in results if r.ok}
-                ref = reference.get(wl.prompt_set)
-                matches = None if ref is None else sum(1 for r in results if r.ok and ref.get(r.request_id) == r.text)
+                timers = _timer_means(m0, _scrape(dep.metrics))
+                if anchor.name == "colocated":
+                    reference[(wl.prompt_set, wl.concurrency)] = {r.request_id: r.text for r in results if r.ok}
+                # Against colocated at c=1 (one sequence per batch: the cleanest reference) and
+                # at the same concurrency (bf16 results depend on the batch a sequence ran in).
+                ref = reference.get((wl.prompt_set, 1))
+                same = reference.get((wl.prompt_set, wl.concurrency))
+                count = lambda rf: None if rf is None else sum(  # noqa: E731
+                    1 for r in results if r.ok and rf.get(r.request_id) == r.text)
                 rec = RunRecord(anchor.name, wl.prompt_set, wl.concurrency, wall, asdict(summarize(results, wall)),
-                                total(used) / len(results), used, matches, len(ref or {}),
+                                total(used) / len(results), used, count(ref), len(ref or {}),
                                 [r.to_json() for r in results])
-                out["runs"].append({**asdict(rec), "started": t_start, "ended": time.time()})
+                out["runs"].append({**asdict(rec), "matches_same_c": count(same), "daemon_timers_ms": timers,
+                                    "started": t_start, "ended": time.time()})
                 errors = [r.error for r in results if not r.ok]
                 if errors:
                     log(f"  {anchor.name} {wl.prompt_set} c={wl.concurrency}: {len(errors)} failed, e.g. {errors[0]}")
