@@ -88,7 +88,7 @@ def idle_chart(res: dict, out: Path) -> Path | None:
             continue
         ax.bar(range(len(rows)), vals, bottom=bottom, label=label, color=cmap(n % 20))
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(range(len(rows)), [a for a, _ in rows])
+    ax.set_xticks(range(len(rows)), [a for a, _ in rows], rotation=12, fontsize=8)
     ax.set_ylabel("% of one core")
     ax.set_title("CPU of each deployment while idle (after warm-up; before any request if warm-up failed)")
     ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
