@@ -23,7 +23,8 @@ class Inflight:
     remote_agent: str
     nbytes: int
     posted_at: float
-    cancelled: bool = False  # D withdrew the registration: acknowledge once settled
+    cancelled: bool = False
+    write_start: float = 0.0  # perf_counter() just before the WRITE was posted  # D withdrew the registration: acknowledge once settled
 
 
 @dataclass

@@ -9,6 +9,7 @@ over the side channel, so neither side waits for a timer.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 
@@ -131,6 +132,9 @@ class SendSide:
                 self._release_without_write(rank, match)
                 return
             digests = digest_blocks(rank.local_descs, plan.src_indices) if self.config.verify else b""
+            # Wall clock, not loop.time(): uvloop caches the loop's time per iteration,
+            # and a WRITE over shared memory may complete inside this very call.
+            write_start = time.perf_counter()
             handle, state = rank.agent.write(
                 rank.local_dlist, plan.src_indices, rank.remote_dlists[target.agent_name], plan.dst_indices,
                 notif.encode_completion(reg.request_id, rank.tp_size),
@@ -145,7 +149,8 @@ class SendSide:
         staged = rank.staged_at.get(match.request_id)
         if staged is not None:
             self.metrics.match_wait_seconds.observe(now - staged)
-        rank.inflight[match.request_id] = Inflight(match, handle, target.agent_name, plan.nbytes, now)
+        rank.inflight[match.request_id] = Inflight(match, handle, target.agent_name, plan.nbytes, now,
+                                                  write_start=write_start)
         self.metrics.transfer_blocks.inc(plan.logical_blocks)
         log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=plan.nbytes,
                   descriptors=len(plan.src_indices))
@@ -189,13 +194,13 @@ class SendSide:
             rank.agent.release(flight.handle)
         except TransferError as exc:
             log.warning("write_release_failed", request_id=rid, error=str(exc))
-        log.debug("write_settled", request_id=rid, state=state.value, seconds=round(now - flight.posted_at, 6))
+        log.debug("write_settled", request_id=rid, state=state.value, seconds=round(time.perf_counter() - flight.write_start, 6))
         if state is XferState.DONE:
             rank.producer.finish(rid)
             rank.staged_at.pop(rid, None)
             self.metrics.transfers.labels("done").inc()
             self.metrics.transfer_bytes.inc(flight.nbytes)
-            self.metrics.transfer_seconds.observe(now - flight.posted_at)
+            self.metrics.transfer_seconds.observe(time.perf_counter() - flight.write_start)
             self._tell(rank, wp.SendDone(request_id=rid))
         else:
             peer = self.peers.find_agent(flight.remote_agent)
