@@ -46,6 +46,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     socket_path: str = ""
     socket_group: str = ""
     allowed_uids: list[int] = []
+    allowed_gids: list[int] = []
+    # Time a new worker connection has to finish its preamble and hello, and how many
+    # such unfinished connections may wait at once (the oldest is dropped beyond it).
+    worker_hello_timeout_s: float = 5.0
+    max_pending_workers: int = 32
     # HTTP health / metrics / info.
     health_host: str = "127.0.0.1"
     health_port: int = 8471
@@ -54,6 +59,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     side_channel_port: int = 8472
     advertised_host: str = ""
     engine_id: str = ""
+    # A file holding a secret shared by all daemons of a deployment; when set, peers
+    # prove knowledge of it (HMAC over a nonce exchange) before any metadata flows.
+    side_channel_secret_file: str = ""
     # NIXL.
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_progress_thread: bool = False
@@ -131,6 +139,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("nixl_backends", "must name at least one backend, none empty")
         if any(uid < 0 for uid in self.allowed_uids):
             raise ConfigError("allowed_uids", "uids must be non-negative")
+        if any(gid < 0 for gid in self.allowed_gids):
+            raise ConfigError("allowed_gids", "gids must be non-negative")
         if self.socket_group.startswith("-"):
             raise ConfigError("socket_group", "must be a group name or a non-negative gid")
         if not os.path.isabs(self.socket_path):
@@ -145,7 +155,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 _DURATION_FIELDS = tuple(
     f.name for f in msgspec.structs.fields(Config) if f.name.endswith("_s")
 )
-_SIZE_FIELDS = ("max_worker_frame", "max_peer_frame", "max_notif_bytes", "max_worker_connections")
+_SIZE_FIELDS = ("max_worker_frame", "max_peer_frame", "max_notif_bytes", "max_worker_connections",
+               "max_pending_workers")
 _FIELD_TYPES: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(Config)}
 
 
