@@ -3,7 +3,11 @@ one test process never collide."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -50,6 +54,25 @@ class Metrics:
             ["result"], registry=r)
         self.verified_blocks = Counter("pushsvc_verify_blocks", "Blocks checked on D, by result", ["result"], registry=r)
         self.notifications = Counter("pushsvc_notifications", "NIXL notifications by kind", ["kind"], registry=r)
+        # process_open_fds, process_resident_memory_bytes, ...: leak checks read them.
+        ProcessCollector(registry=r)
+
+    def watch_nixl_handles(self, source: Callable[[], dict[str, int]]) -> None:
+        """Export ``pushsvc_nixl_handles{kind}``, read from ``source`` at every scrape."""
+        self.registry.register(_HandleCollector(source))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _HandleCollector(Collector):
+    def __init__(self, source: Callable[[], dict[str, int]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "pushsvc_nixl_handles", "Live NIXL handles by kind (registrations, dlists, xfers, remote_agents)",
+            labels=["kind"])
+        for kind, n in self._source().items():
+            family.add_metric([kind], n)
+        yield family

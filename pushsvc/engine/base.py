@@ -54,7 +54,12 @@ class Agent(Protocol):
     def notifs(self) -> dict[str, list[bytes]]:
         """New notifications since the last call, by sender agent name."""
 
-    def close(self) -> None: ...
+    def handles(self) -> dict[str, int]:
+        """Live handles by kind (registrations, dlists, xfers, remote_agents): 0 each
+        once everything was released."""
+
+    def close(self) -> None:
+        """Release every handle still held, then the agent's memory registrations."""
 
 
 class Engine(Protocol):

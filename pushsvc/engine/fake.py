@@ -34,10 +34,13 @@ class FakeAgent:
         self.remotes: set[str] = set()
         self.inbox: dict[str, list[bytes]] = defaultdict(list)
         self.live: set[int] = set()
+        self.dlists: set[int] = set()
+        self.registrations = 0
         self.closed = False
 
     def register(self, buffers: list[tuple[int, int]], mem_type: str, device: int = 0) -> None:
         self.buffers.extend(buffers)
+        self.registrations += 1
 
     def metadata(self) -> bytes:
         return b"fake:" + self.name.encode()
@@ -53,15 +56,19 @@ class FakeAgent:
         self.remotes.discard(name)
 
     def prep_local(self, descs: np.ndarray, mem_type: str) -> Any:
-        return (self.name, np.array(descs, copy=True))
+        handle = (self.name, np.array(descs, copy=True))
+        self.dlists.add(id(handle))
+        return handle
 
     def prep_remote(self, remote: str, descs: np.ndarray, mem_type: str) -> Any:
         if remote not in self.remotes:
             raise TransferError(f"unknown remote agent {remote}")
-        return (remote, np.array(descs, copy=True))
+        handle = (remote, np.array(descs, copy=True))
+        self.dlists.add(id(handle))
+        return handle
 
     def release_dlist(self, handle: Any) -> None:
-        pass
+        self.dlists.discard(id(handle))
 
     def write(self, local, local_idx, remote, remote_idx, notif: bytes):
         target_name, dst = remote
@@ -115,8 +122,17 @@ class FakeAgent:
         self.inbox.clear()
         return out
 
+    def handles(self) -> dict[str, int]:
+        return {"registrations": self.registrations, "dlists": len(self.dlists), "xfers": len(self.live),
+                "remote_agents": len(self.remotes)}
+
     def close(self) -> None:
         self.closed = True
+        self.live.clear()
+        self.dlists.clear()
+        self.remotes.clear()
+        self.buffers.clear()
+        self.registrations = 0
         self.engine.agents.pop(self.name, None)
 
 

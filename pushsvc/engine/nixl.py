@@ -29,7 +29,10 @@ def _import_nixl():
 
 
 class NixlAgent:
-    __slots__ = ("name", "_agent", "_reg")
+    """One NIXL agent. Every handle it hands out is tracked until released, so
+    ``handles()`` can prove nothing leaks and ``close()`` can release what is left."""
+
+    __slots__ = ("name", "_agent", "_reg", "_dlists", "_xfers", "_remotes")
 
     def __init__(self, name: str, backends: list[str], progress_thread: bool) -> None:
         nixl_agent, nixl_agent_config = _import_nixl()
@@ -42,6 +45,9 @@ class NixlAgent:
             raise TransferError(f"NIXL agent {name}: none of the backends {backends} is available")
         self.name = name
         self._reg: list[Any] = []
+        self._dlists: dict[int, Any] = {}  # id(handle) -> handle
+        self._xfers: dict[int, Any] = {}
+        self._remotes: set[str] = set()
 
     def register(self, buffers: list[tuple[int, int]], mem_type: str, device: int = 0) -> None:
         descs = [(addr, length, device, "") for addr, length in buffers]
@@ -58,27 +64,36 @@ class NixlAgent:
             name = self._agent.add_remote_agent(metadata)
         except Exception as exc:
             raise TransferError(f"cannot load remote agent metadata: {exc}") from exc
-        return name.decode() if isinstance(name, bytes) else name
+        name = name.decode() if isinstance(name, bytes) else name
+        self._remotes.add(name)
+        return name
 
     def remove_remote(self, name: str) -> None:
         try:
             self._agent.remove_remote_agent(name)
         except Exception as exc:
             raise TransferError(f"cannot remove remote agent {name}: {exc}") from exc
+        finally:
+            self._remotes.discard(name)
 
     def prep_local(self, descs: np.ndarray, mem_type: str) -> Any:
         try:
-            return self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem_type)
+            handle = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem_type)
         except Exception as exc:
             raise TransferError(f"cannot prepare local descriptors: {exc}") from exc
+        self._dlists[id(handle)] = handle
+        return handle
 
     def prep_remote(self, remote: str, descs: np.ndarray, mem_type: str) -> Any:
         try:
-            return self._agent.prep_xfer_dlist(remote, descs, mem_type)
+            handle = self._agent.prep_xfer_dlist(remote, descs, mem_type)
         except Exception as exc:
             raise TransferError(f"cannot prepare descriptors of {remote}: {exc}") from exc
+        self._dlists[id(handle)] = handle
+        return handle
 
     def release_dlist(self, handle: Any) -> None:
+        self._dlists.pop(id(handle), None)
         try:
             self._agent.release_dlist_handle(handle)
         except Exception as exc:
@@ -89,6 +104,7 @@ class NixlAgent:
             handle = self._agent.make_prepped_xfer("WRITE", local, local_idx, remote, remote_idx, notif)
         except Exception as exc:
             raise TransferError(f"cannot create WRITE: {exc}") from exc
+        self._xfers[id(handle)] = handle
         try:
             state = _STATES[self._agent.transfer(handle)]
         except Exception as exc:
@@ -107,6 +123,7 @@ class NixlAgent:
             self._agent.release_xfer_handle(xfer)
         except Exception as exc:
             raise TransferError(f"cannot release WRITE handle: {exc}") from exc
+        self._xfers.pop(id(xfer), None)
 
     def send_notif(self, remote: str, payload: bytes) -> None:
         try:
@@ -121,7 +138,27 @@ class NixlAgent:
             raise TransferError(f"notification poll failed: {exc}") from exc
         return {(k.decode() if isinstance(k, bytes) else k): v for k, v in got.items()} if got else {}
 
+    def handles(self) -> dict[str, int]:
+        return {"registrations": len(self._reg), "dlists": len(self._dlists), "xfers": len(self._xfers),
+                "remote_agents": len(self._remotes)}
+
     def close(self) -> None:
+        """Release everything still held, in dependency order: WRITEs, descriptor
+        lists, remote agents, then the memory they referenced."""
+        for handle in list(self._xfers.values()):
+            self._safe_release(handle)
+        for handle in list(self._dlists.values()):
+            try:
+                self._agent.release_dlist_handle(handle)
+            except Exception:
+                pass
+        self._dlists.clear()
+        for name in list(self._remotes):
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:
+                pass
+        self._remotes.clear()
         for reg in self._reg:
             try:
                 self._agent.deregister_memory(reg)
@@ -130,13 +167,14 @@ class NixlAgent:
         self._reg.clear()
 
     def _safe_release(self, handle: Any) -> None:
+        self._xfers.pop(id(handle), None)
         try:
             self._agent.release_xfer_handle(handle)
         except Exception:
             pass
 
     def __repr__(self) -> str:
-        return f"<NixlAgent {self.name} regs={len(self._reg)}>"
+        return f"<NixlAgent {self.name} {self.handles()}>"
 
 
 class NixlEngine:

@@ -174,6 +174,8 @@ class Daemon:
                 for p in self.service.peers.peers.values()
             ],
             "tables": self.service.table_sizes(),
+            "nixl_handles": self.service.nixl_handles(),
+            "open_fds": _open_fds(),
         }
 
     def metrics_text(self) -> bytes:
@@ -181,3 +183,10 @@ class Daemon:
 
     def __repr__(self) -> str:
         return f"<Daemon {self.config.engine_id} started={self.started} exit={self.should_exit}>"
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir holds
+    except OSError:
+        return -1

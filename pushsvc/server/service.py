@@ -60,6 +60,7 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
             heartbeat_interval_s=config.heartbeat_interval_s,
             peer_timeout_s=config.peer_timeout_s,
         )
+        metrics.watch_nixl_handles(self.nixl_handles)
         self._tasks: set[asyncio.Task] = set()
         self._retiring: list[LocalRank] = []  # replaced ranks whose WRITEs are settling
         self._generation = 0
@@ -368,6 +369,14 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
         self._retiring.append(rank)
         self._poll_retiring(asyncio.get_running_loop().time())
         self.metrics.agents.set(len(self.ranks))
+
+    def nixl_handles(self) -> dict[str, int]:
+        """Live NIXL handles over every agent, retiring ones included."""
+        totals = {"registrations": 0, "dlists": 0, "xfers": 0, "remote_agents": 0}
+        for rank in [*self.ranks.values(), *self._retiring]:
+            for kind, n in rank.agent.handles().items():
+                totals[kind] = totals.get(kind, 0) + n
+        return totals
 
     def writes_in_flight(self) -> int:
         return sum(len(r.inflight) for r in [*self.ranks.values(), *self._retiring])

@@ -489,3 +489,21 @@ async def test_describe_names_the_daemon_without_registering_a_worker() -> None:
         assert welcome.engine_id == pair.p.config.engine_id
         assert welcome.side_channel_port == pair.p.service.peers.port
         assert sorted(pair.p.service.ranks) == [0]  # still only the real worker
+
+
+@pytest.mark.asyncio
+async def test_nixl_handles_are_released_when_writes_settle_and_peers_leave() -> None:
+    async with push_pair() as pair:
+        pair.register_recv(D_ID, [3, 4])
+        pair.send_ready(P_ID, [0, 1])
+        await push_ok(pair, P_ID, [0, 1], D_ID, [3, 4])
+        # Each side: its memory, its own descriptor list and the peer's, the peer's agent.
+        steady = {"registrations": 1, "dlists": 2, "xfers": 0, "remote_agents": 1}
+        assert pair.p.info()["nixl_handles"] == steady
+        assert pair.d.info()["nixl_handles"] == steady
+        assert metric(pair.p, "pushsvc_nixl_handles", kind="dlists") == 2
+        assert metric(pair.p, "process_open_fds") > 0
+        await pair.p.shutdown()
+        await wait_until(lambda: pair.d.info()["peers"] == [], "D to see P leave")
+        assert pair.d.info()["nixl_handles"] == {"registrations": 1, "dlists": 1, "xfers": 0, "remote_agents": 0}
+        assert pair.p.service.nixl_handles() == {"registrations": 0, "dlists": 0, "xfers": 0, "remote_agents": 0}
