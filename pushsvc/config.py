@@ -12,6 +12,7 @@ import math
 import os
 import re
 import socket
+import stat
 import tomllib
 import uuid
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from typing import Any
 import msgspec
 
 from pushsvc.errors import ConfigError
+from pushsvc.protocol.peer_auth import MIN_SECRET_LEN
 
 MiB = 1 << 20
 
@@ -150,6 +152,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for name in ("engine_id", "advertised_host"):
             if not getattr(self, name):
                 raise ConfigError(name, "must not be empty")
+        if self.side_channel_secret_file:
+            read_secret_file(self.side_channel_secret_file)
 
 
 _DURATION_FIELDS = tuple(
@@ -158,6 +162,47 @@ _DURATION_FIELDS = tuple(
 _SIZE_FIELDS = ("max_worker_frame", "max_peer_frame", "max_notif_bytes", "max_worker_connections",
                "max_pending_workers")
 _FIELD_TYPES: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(Config)}
+
+
+# Far more than any sane secret; keeps a mistaken path (a log, an image) from being read.
+_MAX_SECRET_FILE = 4096
+
+
+def read_secret_file(path: str) -> bytes:
+    """The side-channel secret held in ``path``, without one trailing newline.
+
+    Refused with a ``ConfigError`` (which never quotes the contents) unless the file is a
+    regular file the daemon can read, is not accessible by group or others, and holds
+    at least 16 bytes. Checked on the open descriptor, so the file checked is the file read.
+    """
+    name = "side_channel_secret_file"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(name, f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(name, f"{path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise ConfigError(name, f"{path} is accessible by group or others "
+                                    f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
+        data = os.read(fd, _MAX_SECRET_FILE + 1)
+        if st.st_size > _MAX_SECRET_FILE or len(data) > _MAX_SECRET_FILE:
+            raise ConfigError(name, f"{path} is larger than {_MAX_SECRET_FILE} bytes")
+    except OSError as exc:
+        raise ConfigError(name, f"cannot read {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if data.endswith(b"\r\n"):
+        data = data[:-2]
+    elif data.endswith(b"\n"):
+        data = data[:-1]
+    if not data:
+        raise ConfigError(name, f"{path} is empty")
+    if len(data) < MIN_SECRET_LEN:
+        raise ConfigError(name, f"the secret in {path} is shorter than {MIN_SECRET_LEN} bytes")
+    return data
 
 
 def load_config(

@@ -34,6 +34,16 @@ class HandshakeError(PushsvcError):
     """A daemon-to-daemon handshake failed (unreachable, timed out, incompatible)."""
 
 
+class AuthError(HandshakeError):
+    """Side-channel authentication failed; ``reason`` is the metrics label:
+    ``auth_missing`` (the peer did not authenticate), ``auth_bad_proof`` (its proof did
+    not check: another secret) or ``auth_required`` (it asks for a secret we lack)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class TransferError(PushsvcError):
     """A NIXL operation (registration, prep, WRITE, notification) failed."""
 

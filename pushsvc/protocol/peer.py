@@ -2,7 +2,9 @@
 
 A session opens with the preamble (``PSVP`` + version), then each side sends one
 ``PeerHello`` describing its daemon and every local NIXL agent: agent metadata and the
-KV layout a remote needs to address blocks. Afterwards either side may send
+KV layout a remote needs to address blocks. With a shared secret configured, an
+``AuthChallenge``/``AuthProof`` exchange (see ``peer_auth``) comes first, and no hello
+is sent before the peer's proof checks. Afterwards either side may send
 ``AgentsUpdate`` (a worker registered KV later), ``PushFailed`` (P cannot WRITE a
 registration: D fails the request at once), ``CancelPush``/``PushCancelled`` (D
 withdraws a registration and learns when its blocks are safe to reuse) and
@@ -15,11 +17,13 @@ from typing import Annotated, Union
 
 import msgspec
 
+from pushsvc.protocol.peer_auth import MAC_LEN, NONCE_LEN
 from pushsvc.protocol.worker import U32, U64, Name, Text
 
 MAGIC = b"PSVP"
 MAJOR = 1
-MINOR = 0
+MINOR = 1  # 1.1: AuthChallenge, AuthProof (sent only with a secret configured)
+AUTH_MINOR = 1
 
 _opts = dict(forbid_unknown_fields=True, omit_defaults=True, tag_field="t")
 
@@ -47,6 +51,23 @@ class AgentInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, 
     regions: Annotated[list[RegionInfo], msgspec.Meta(max_length=16384)]
     blocks_per_logical: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     mem_type: Annotated[str, msgspec.Meta(pattern="^(DRAM|VRAM)$")] = "DRAM"
+
+
+_Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_LEN, max_length=NONCE_LEN)]
+_Mac = Annotated[bytes, msgspec.Meta(min_length=MAC_LEN, max_length=MAC_LEN)]
+
+
+class AuthChallenge(msgspec.Struct, tag="auth_challenge", **_opts):
+    """First frame of an authenticated handshake: a fresh nonce and who we are."""
+
+    nonce: _Nonce
+    daemon_id: Name
+
+
+class AuthProof(msgspec.Struct, tag="auth_proof", **_opts):
+    """HMAC-SHA256 over the transcript for the sender's role (``peer_auth.proof``)."""
+
+    mac: _Mac
 
 
 class PeerHello(msgspec.Struct, tag="hello", **_opts):
@@ -106,7 +127,8 @@ class Goodbye(msgspec.Struct, tag="bye", **_opts):
 
 
 PeerMessage = Union[
-    PeerHello, AgentsUpdate, PushFailed, CancelPush, PushCancelled, WriteStarted, Heartbeat, Goodbye
+    PeerHello, AgentsUpdate, PushFailed, CancelPush, PushCancelled, WriteStarted, Heartbeat, Goodbye,
+    AuthChallenge, AuthProof,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,8 +1,9 @@
 """Daemon <-> daemon side channel: TCP sessions, handshakes, liveness.
 
 A session starts with the preamble exchange (``PSVP`` + version, checked before any
-message is decoded), then both sides send a ``PeerHello`` with their NIXL agents and
-KV layouts. Sessions stay open: heartbeats prove liveness both ways, and P uses the
+message is decoded), then, with a shared secret configured, the authentication
+exchange (``_authenticate``), then both sides send a ``PeerHello`` with their NIXL
+agents and KV layouts. Sessions stay open: heartbeats prove liveness both ways, and P uses the
 session D opened to tell D at once when it cannot WRITE a registration.
 
 ``PeerManager.ensure`` is the handshake cache: concurrent callers for one address share
@@ -20,9 +21,10 @@ from typing import Callable
 import msgspec
 import structlog
 
-from pushsvc.errors import HandshakeError, ProtocolError
+from pushsvc.errors import AuthError, HandshakeError, ProtocolError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import peer as pp
+from pushsvc.protocol.peer_auth import PeerAuth, Role, new_nonce
 from pushsvc.protocol.framing import DECODE_ERRORS, HEADER, PREAMBLE, check_preamble, encode_preamble, frame
 
 log = structlog.get_logger("pushsvc.peers")
@@ -105,6 +107,7 @@ class PeerManager:
         handshake_timeout_s: float,
         heartbeat_interval_s: float,
         peer_timeout_s: float,
+        secret: bytes | None = None,
     ) -> None:
         self.daemon_id = daemon_id
         self.engine_id = engine_id
@@ -117,6 +120,8 @@ class PeerManager:
         self._hs_timeout = handshake_timeout_s
         self._hb = heartbeat_interval_s
         self._peer_timeout = peer_timeout_s
+        # With a secret, no hello (no metadata) goes out before the peer proved it knows it.
+        self._secret = secret or None
         self.peers: dict[str, Peer] = {}  # by daemon_id
         self._by_engine: dict[str, Peer] = {}
         self._by_agent: dict[str, Peer] = {}
@@ -163,8 +168,11 @@ class PeerManager:
         try:
             await asyncio.wait_for(self._hello(session), self._hs_timeout)
         except (ProtocolError, HandshakeError, OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
-            self._metrics.rejected_connections.labels("side_channel", type(exc).__name__).inc()
-            log.warning("peer_handshake_rejected", phase="accept", error=str(exc), peer=_addr(writer))
+            reason = exc.reason if isinstance(exc, AuthError) else type(exc).__name__
+            if isinstance(exc, AuthError):
+                self._metrics.handshakes.labels(exc.reason).inc()
+            self._metrics.rejected_connections.labels("side_channel", reason).inc()
+            log.warning("peer_handshake_rejected", phase="accept", reason=reason, error=str(exc), peer=_addr(writer))
             writer.close()
             return
         self._metrics.handshakes.labels("accepted").inc()
@@ -219,8 +227,9 @@ class PeerManager:
                 session.close()
             raise
         except HandshakeError as exc:
-            self._metrics.handshakes.labels("failed").inc()
-            log.warning("peer_handshake_failed", peer=f"{host}:{port}", error=str(exc))
+            reason = exc.reason if isinstance(exc, AuthError) else "failed"
+            self._metrics.handshakes.labels(reason).inc()
+            log.warning("peer_handshake_failed", peer=f"{host}:{port}", reason=reason, error=str(exc))
             if session is not None:
                 session.close()
             if not fut.done():
@@ -259,14 +268,50 @@ class PeerManager:
         )
 
     async def _hello(self, session: Session) -> Peer:
-        session.writer.write(encode_preamble(pp.MAGIC, pp.MAJOR, pp.MINOR) + frame(pp.encode(self._my_hello())))
-        check_preamble(await session.reader.readexactly(PREAMBLE.size), pp.MAGIC, pp.MAJOR)
+        preamble = encode_preamble(pp.MAGIC, pp.MAJOR, pp.MINOR)
+        nonce = new_nonce() if self._secret is not None else b""
+        if self._secret is None:
+            session.writer.write(preamble + frame(pp.encode(self._my_hello())))
+        else:
+            session.writer.write(preamble + frame(pp.encode(pp.AuthChallenge(nonce=nonce, daemon_id=self.daemon_id))))
+        minor = check_preamble(await session.reader.readexactly(PREAMBLE.size), pp.MAGIC, pp.MAJOR)
         msg = await self._read(session)
+        authenticated = ""
+        if self._secret is not None:
+            authenticated = await self._authenticate(session, nonce, minor, msg)
+            session.send(self._my_hello())
+            msg = await self._read(session)
+        elif isinstance(msg, pp.AuthChallenge):
+            raise AuthError("auth_required", "peer requires side-channel authentication "
+                                             "(set side_channel_secret_file to the deployment's secret)")
         if not isinstance(msg, pp.PeerHello):
             raise ProtocolError(f"expected hello, got {type(msg).__name__}")
         if msg.daemon_id == self.daemon_id:
             raise HandshakeError("connected to ourselves")
+        if authenticated and msg.daemon_id != authenticated:
+            raise ProtocolError("hello names another daemon than the one that authenticated")
         return self._adopt(session, msg)
+
+    async def _authenticate(self, session: Session, my_nonce: bytes, minor: int, msg: pp.PeerMessage) -> str:
+        """Run the proof exchange after the peer's challenge ``msg``; return the peer's
+        daemon id once its proof checks. Our proof goes out before we check theirs, so
+        a wrong secret fails on both sides at once, each with a clear reason."""
+        assert self._secret is not None
+        if not isinstance(msg, pp.AuthChallenge):
+            why = f"speaks side-channel 1.{minor}, without authentication" if minor < pp.AUTH_MINOR \
+                else f"sent {type(msg).__name__}"
+            raise AuthError("auth_missing", f"peer did not authenticate: it {why}")
+        if msg.daemon_id == self.daemon_id:
+            raise HandshakeError("connected to ourselves")
+        auth = PeerAuth(self._secret, Role.DIALER if session.dialed else Role.ACCEPTOR,
+                        self.daemon_id, my_nonce, msg.daemon_id, msg.nonce)
+        session.send(pp.AuthProof(mac=auth.my_proof()))
+        reply = await self._read(session)
+        if not isinstance(reply, pp.AuthProof):
+            raise AuthError("auth_missing", f"peer did not authenticate: it sent {type(reply).__name__}")
+        if not auth.check_peer(reply.mac):
+            raise AuthError("auth_bad_proof", "peer failed side-channel authentication (another secret?)")
+        return msg.daemon_id
 
     def _adopt(self, session: Session, hello: pp.PeerHello) -> Peer:
         old = self._by_engine.get(hello.engine_id)

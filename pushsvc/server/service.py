@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from pushsvc.config import Config
+from pushsvc.config import Config, read_secret_file
 from pushsvc.engine.base import Engine, XferState
 from pushsvc.errors import LayoutError, ProtocolError, TransferError
 from pushsvc.metrics import Metrics
@@ -59,6 +59,8 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
             handshake_timeout_s=config.handshake_timeout_s,
             heartbeat_interval_s=config.heartbeat_interval_s,
             peer_timeout_s=config.peer_timeout_s,
+            # Read once, here at start; the file was checked when the config was loaded.
+            secret=read_secret_file(config.side_channel_secret_file) if config.side_channel_secret_file else None,
         )
         metrics.watch_nixl_handles(self.nixl_handles)
         self._tasks: set[asyncio.Task] = set()

@@ -291,6 +291,8 @@ PEER_MESSAGES = [
     peer.Heartbeat(),
     peer.Goodbye(reason="shutdown"),
     peer.Goodbye(),
+    peer.AuthChallenge(nonce=bytes(range(32)), daemon_id="d-1"),
+    peer.AuthProof(mac=b"\xab" * 32),
 ]
 
 PEER_TAGS = {
@@ -302,6 +304,8 @@ PEER_TAGS = {
     peer.WriteStarted: "writing",
     peer.Heartbeat: "hb",
     peer.Goodbye: "bye",
+    peer.AuthChallenge: "auth_challenge",
+    peer.AuthProof: "auth_proof",
 }
 
 
