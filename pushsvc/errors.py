@@ -22,6 +22,11 @@ class ProtocolError(PushsvcError):
     """A peer sent bytes that do not form a valid message for the protocol in use."""
 
 
+class MalformedInput(ProtocolError):
+    """Input refused by a decoder that has already counted it in
+    ``pushsvc_malformed_inputs``; whoever catches it only closes or carries on."""
+
+
 class FrameTooLarge(ProtocolError):
     """A length prefix announced more bytes than the configured cap."""
 

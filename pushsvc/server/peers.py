@@ -21,11 +21,11 @@ from typing import Callable
 import msgspec
 import structlog
 
-from pushsvc.errors import AuthError, HandshakeError, ProtocolError
+from pushsvc.errors import AuthError, HandshakeError, MalformedInput, ProtocolError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol.peer_auth import PeerAuth, Role, new_nonce
-from pushsvc.protocol.framing import DECODE_ERRORS, HEADER, PREAMBLE, check_preamble, encode_preamble, frame
+from pushsvc.protocol.framing import HEADER, PREAMBLE, CountingDecoder, check_preamble, encode_preamble, frame
 
 log = structlog.get_logger("pushsvc.peers")
 
@@ -116,7 +116,8 @@ class PeerManager:
         self._local_agents = local_agents
         self._events = events
         self._metrics = metrics
-        self._max_frame = max_frame
+        self._frames = CountingDecoder(pp.peer_decoder, source="side_channel", max_frame=max_frame,
+                                       malformed=metrics.malformed)
         self._hs_timeout = handshake_timeout_s
         self._hb = heartbeat_interval_s
         self._peer_timeout = peer_timeout_s
@@ -247,15 +248,12 @@ class PeerManager:
     # ------------------------------------------------------------------ session
 
     async def _read(self, session: Session, timeout: float | None = None) -> pp.PeerMessage:
+        # The cap is checked before a payload byte is read, during the handshake too;
+        # both refusals are counted by the decoder (source "side_channel").
         header = await asyncio.wait_for(session.reader.readexactly(HEADER.size), timeout)
-        (length,) = HEADER.unpack(header)
-        if length > self._max_frame:
-            raise ProtocolError(f"peer frame of {length} bytes exceeds cap {self._max_frame}")
+        length = self._frames.frame_length(header)
         payload = await asyncio.wait_for(session.reader.readexactly(length), timeout)
-        try:
-            return pp.peer_decoder.decode(payload)
-        except DECODE_ERRORS as exc:
-            raise ProtocolError(f"malformed peer message: {exc}") from None
+        return self._frames.decode(payload)
 
     def _my_hello(self) -> pp.PeerHello:
         return pp.PeerHello(
@@ -374,8 +372,10 @@ class PeerManager:
                     raise ProtocolError(f"unexpected {type(msg).__name__} after hello")
         except TimeoutError:
             log.warning("peer_silent", peer=peer.engine_id, timeout_s=timeout)
+        except MalformedInput as exc:  # counted by the decoder
+            log.warning("peer_protocol_error", peer=peer.engine_id, error=str(exc))
         except ProtocolError as exc:
-            self._metrics.malformed.labels("side_channel", "frame").inc()
+            self._metrics.malformed.labels("side_channel", "unexpected").inc()
             log.warning("peer_protocol_error", peer=peer.engine_id, error=str(exc))
         except (OSError, asyncio.IncompleteReadError):
             pass
