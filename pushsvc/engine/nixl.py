@@ -8,7 +8,10 @@ daemon drives progress itself by calling ``state``/``notifs`` while work is in f
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,8 +22,37 @@ from pushsvc.errors import TransferError
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PROC, "ERR": XferState.ERR}
 
 
+# The backends the ``nixl`` meta package chooses from, in its order when torch has no CUDA.
+_BACKENDS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+
+
+def _torch_without_cuda() -> bool:
+    """Whether torch is missing or a build without CUDA, read off disk (no torch import)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return True
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return False  # unknown: let nixl decide
+    return re.search(r"^cuda\b[^=]*=\s*None\s*$", text, re.MULTILINE) is not None
+
+
+def _nixl_api_module() -> str:
+    # ``import nixl`` picks its backend by torch's CUDA version; with a CPU-only torch it
+    # finds none on disk and imports all of torch to ask (2 s of CPU; 15 s on a 2-core host
+    # busy with vLLM, all of it before a restarted daemon is ready), then takes the first
+    # backend installed. The daemon never uses torch: take that backend directly.
+    if _torch_without_cuda():
+        for name in _BACKENDS:
+            if importlib.util.find_spec(name) is not None:
+                return f"{name}._api"
+    return "nixl._api"
+
+
 def _import_nixl():
-    from nixl._api import nixl_agent, nixl_agent_config
+    api = importlib.import_module(_nixl_api_module())
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
     # NIXL configures its own logger at import and logs every agent and backend it
     # creates at INFO; our own events already say that.
