@@ -28,6 +28,12 @@ class ReceiveSide:
     def _on_register_recv(self, rank: LocalRank, msg: wp.RegisterRecv) -> None:
         rid = msg.request_id
         bound = structlog.get_logger("pushsvc.recv").bind(request_id=rid, rank=rank.rank, peer=msg.remote_engine_id)
+        if rank.consumer.tracks(rid) or rid in rank.landed:
+            # Checked before the blocks: a refusal would answer RecvFailed for the
+            # live request, and its worker would reuse blocks P may still write into.
+            self.metrics.duplicates.labels("registration").inc()
+            bound.info("recv_duplicate")
+            return
         reason = ""
         if rank.layout is None:
             reason = "no KV memory registered for this rank"
@@ -38,6 +44,10 @@ class ReceiveSide:
                 check_block_ids(rank.layout, msg.local_block_ids, "registration")
             except LayoutError as exc:
                 reason = str(exc)
+            else:
+                held = rank.consumer.holder(msg.local_block_ids)
+                if held is not None:
+                    reason = f"registration: block {held[0]} is held by live request {held[1]}"
         if reason:
             self.metrics.malformed.labels("worker", "registration").inc()
             bound.warning("recv_rejected", phase="register", error=reason)
@@ -46,7 +56,7 @@ class ReceiveSide:
         remote = Remote(msg.remote_engine_id, msg.remote_host, msg.remote_port, msg.remote_tp_size)
         now = asyncio.get_running_loop().time()
         entry = rank.consumer.add(rid, msg.local_block_ids, remote, now)
-        if entry is None:
+        if entry is None:  # duplicates were answered above; kept for safety
             self.metrics.duplicates.labels("registration").inc()
             return
         rank.registered_at[rid] = now

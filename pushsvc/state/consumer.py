@@ -10,6 +10,9 @@ Pure state, ``now`` passed in. Life of a D request::
 
 ``expected`` is how many completion notifications this rank must see: P ranks that
 write into it (P TP / D TP, at least 1).
+
+A block belongs to at most one tracked registration: P may write into it until that
+registration is final, so ``holder`` lets the daemon refuse a second one naming it.
 """
 
 from __future__ import annotations
@@ -61,6 +64,19 @@ class ConsumerTable:
     local_tp_size: int = 1
     cancel_grace_s: float = 5.0  # how long P has to confirm a cancellation
     pending: dict[str, PendingRecv] = field(default_factory=dict)
+    _holders: dict[tuple[int, int], str] = field(default_factory=dict)  # (group, block) -> request id
+
+    def tracks(self, request_id: str) -> bool:
+        return request_id in self.pending
+
+    def holder(self, block_ids: list[list[int]]) -> tuple[int, str] | None:
+        """A block of ``block_ids`` that a tracked registration holds, and its holder."""
+        for g, ids in enumerate(block_ids):
+            for b in ids:
+                rid = self._holders.get((g, b))
+                if rid is not None:
+                    return b, rid
+        return None
 
     def add(self, request_id: str, block_ids: list[list[int]], remote: Remote, now: float) -> PendingRecv | None:
         """Track a registration; ``None`` if the id is already tracked (idempotent)."""
@@ -69,6 +85,9 @@ class ConsumerTable:
         expected = max(1, remote.tp_size // max(1, self.local_tp_size))
         entry = PendingRecv(request_id, block_ids, remote, now + self.watchdog_s, expected)
         self.pending[request_id] = entry
+        for g, ids in enumerate(block_ids):
+            for b in ids:
+                self._holders.setdefault((g, b), request_id)
         return entry
 
     def mark_sent(self, request_id: str) -> bool:
@@ -85,13 +104,13 @@ class ConsumerTable:
         entry.seen += 1
         if entry.seen < entry.expected:
             return CompletionOutcome.PARTIAL, entry
-        del self.pending[request_id]
+        self._drop(request_id)
         if entry.state is RecvState.CANCELLING:
             return CompletionOutcome.CANCELLED, entry
         return CompletionOutcome.DONE, entry
 
     def fail(self, request_id: str) -> PendingRecv | None:
-        return self.pending.pop(request_id, None)
+        return self._drop(request_id)
 
     def evict(self, request_id: str, now: float | None = None) -> PendingRecv | None:
         """Drop a registration P cannot have seen yet; a SENT one becomes CANCELLING
@@ -105,8 +124,7 @@ class ConsumerTable:
             if now is not None:
                 entry.deadline = min(entry.deadline, now + self.cancel_grace_s)
             return entry
-        del self.pending[request_id]
-        return entry
+        return self._drop(request_id)
 
     def expire(self, now: float) -> list[PendingRecv]:
         """Overdue entries. A SENT one is not dropped but turned CANCELLING (P may be
@@ -119,7 +137,7 @@ class ConsumerTable:
                 e.reason = "watchdog"
                 e.deadline = now + self.cancel_grace_s
             else:
-                del self.pending[e.request_id]
+                self._drop(e.request_id)
         return overdue
 
     def waiting_on(self, engine_id: str) -> list[PendingRecv]:
@@ -137,3 +155,12 @@ class ConsumerTable:
 
     def __repr__(self) -> str:
         return f"<ConsumerTable pending={len(self.pending)}>"
+
+    def _drop(self, request_id: str) -> PendingRecv | None:
+        entry = self.pending.pop(request_id, None)
+        if entry is not None:
+            for g, ids in enumerate(entry.block_ids):
+                for b in ids:
+                    if self._holders.get((g, b)) == request_id:
+                        del self._holders[(g, b)]
+        return entry

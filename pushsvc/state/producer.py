@@ -138,6 +138,11 @@ class ProducerTable:
             return StageOutcome.STASHED, None
         return StageOutcome.MATCHED, self._start(staged, self._pop_registration(remote), now)
 
+    def tracks(self, request_id: str) -> bool:
+        """P blocks of ``request_id`` are staged or being written: a second SendReady
+        for it is a duplicate, whatever blocks it names."""
+        return request_id in self.staged or request_id in self.writing
+
     def finish(self, request_id: str) -> Match | None:
         """The WRITE for ``request_id`` settled (done or failed): forget it."""
         match = self.writing.pop(request_id, None)

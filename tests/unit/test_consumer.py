@@ -314,3 +314,50 @@ def test_done_exactly_once_after_expected_completions(remote_tp: int, local_tp: 
     assert outcomes[: entry.expected - 1] == [CompletionOutcome.PARTIAL] * (entry.expected - 1)
     assert outcomes[entry.expected :] == [CompletionOutcome.UNKNOWN] * extra
     assert entry.expected == max(1, remote_tp // local_tp)
+
+
+# ---------------------------------------------------------------- block holders
+
+
+def test_holder_names_the_live_registration_that_holds_a_block(table) -> None:
+    table.add("a", [[1, 2], [7]], remote(), now=0.0)
+    assert table.tracks("a") and not table.tracks("b")
+    assert table.holder([[3, 2]]) == (2, "a")
+    assert table.holder([[], [7]]) == (7, "a")
+    assert table.holder([[7]]) is None  # block 7 of group 0 is not group 1's block 7
+    assert table.holder([[3, 4]]) is None
+
+
+@pytest.mark.parametrize("ending", ["done", "fail", "evict_pending", "expire_pending"])
+def test_a_final_registration_releases_its_blocks(table, ending: str) -> None:
+    table.add("a", [[1, 2]], remote(), now=0.0)
+    if ending == "done":
+        table.mark_sent("a")
+        table.on_completion("a")
+    elif ending == "fail":
+        table.fail("a")
+    elif ending == "evict_pending":
+        table.evict("a")
+    else:
+        table.expire(WATCHDOG + 1)
+    assert table.holder([[1, 2]]) is None and not table.tracks("a")
+
+
+def test_a_cancelling_registration_keeps_its_blocks_until_final(table) -> None:
+    # P may still write into them: a new registration naming them must be refused.
+    table.add("a", [[1, 2]], remote(), now=0.0)
+    table.mark_sent("a")
+    table.evict("a", now=1.0)
+    assert table.holder([[2]]) == (2, "a")
+    table.expire(1.0 + table.cancel_grace_s / 2)  # P still has time to confirm
+    assert table.holder([[2]]) == (2, "a")
+    assert table.on_completion("a")[0] is CompletionOutcome.CANCELLED
+    assert table.holder([[2]]) is None
+
+
+def test_a_duplicate_add_does_not_take_over_blocks(table) -> None:
+    table.add("a", [[1]], remote(), now=0.0)
+    assert table.add("a", [[5]], remote(), now=0.0) is None
+    assert table.holder([[5]]) is None
+    table.fail("a")
+    assert table.holder([[1]]) is None

@@ -670,3 +670,16 @@ def test_cancel_of_an_unknown_registration_only_tombstones(push_reg) -> None:
     t = ProducerTable(lease_s=10.0, registration_ttl_s=5.0)
     assert t.cancel_registration("ghost", now=0.0) is None
     assert t.add_registration(push_reg(request_id="ghost"), "a", now=0.1)[0] is RegOutcome.CANCELLED
+
+
+def test_tracks_staged_and_writing_requests_only(push_reg) -> None:
+    table = ProducerTable(lease_s=LEASE, registration_ttl_s=TTL)
+    table.add_staged("staged", [[1]], now=0.0)
+    table.add_staged("writing", [[2]], now=0.0)
+    table.add_registration(push_reg("writing"), "d-agent", now=0.0)
+    table.add_registration(push_reg("only-registered"), "d-agent", now=0.0)
+    assert table.tracks("staged") and table.tracks("writing")
+    assert not table.tracks("only-registered") and not table.tracks("unknown")
+    table.finish("writing")
+    table.evict("staged")
+    assert not table.tracks("staged") and not table.tracks("writing")
