@@ -30,6 +30,11 @@ log = structlog.get_logger("pushsvc.send")
 class SendSide:
     def _on_send_ready(self, rank: LocalRank, msg: wp.SendReady) -> None:
         rid = msg.request_id
+        if rank.producer.tracks(rid):
+            # Before the block check: refusing it would fail the live request, and its
+            # worker would free blocks a WRITE may still be reading.
+            self.metrics.duplicates.labels("finished_blocks").inc()
+            return
         try:
             if rank.layout is None:
                 raise LayoutError("no KV memory registered for this rank")
