@@ -1,4 +1,4 @@
-"""Shared fixtures for the pure-state and protocol unit tests."""
+"""Shared fixtures for the pure-state and protocol unit tests, and the fuzz-size option."""
 
 from __future__ import annotations
 
@@ -10,6 +10,13 @@ import pytest
 from pushsvc.protocol.notif import PushReg
 
 MakePushReg = Callable[..., PushReg]
+
+
+@pytest.fixture
+def fuzz_cases(request: pytest.FixtureRequest) -> int:
+    """How many inputs each fuzz test feeds its decoder (``--fuzz-examples``, declared in
+    tests/conftest.py)."""
+    return request.config.getoption("--fuzz-examples")
 
 
 def _push_reg(request_id: str = "cmpl-abc-0-deadbeef", **overrides: Any) -> PushReg:
