@@ -53,7 +53,7 @@ class DaemonClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(self.timeout_s)
         try:
-            sock.connect(self.socket_path)
+            _connect(sock, self.socket_path, time.monotonic() + self.timeout_s)
             sock.sendall(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR) + frame(wp.encode(self.hello)))
             check_preamble(_recv_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
         except (OSError, ProtocolError) as exc:
@@ -207,7 +207,7 @@ def describe_daemon(socket_path: str, timeout_s: float = 2.0) -> wp.Welcome:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout_s)
     try:
-        sock.connect(socket_path)
+        _connect(sock, socket_path, time.monotonic() + timeout_s)
         sock.sendall(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR) + frame(wp.encode(wp.Describe())))
         check_preamble(_recv_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
         (length,) = HEADER.unpack(_recv_exact(sock, HEADER.size))
@@ -221,6 +221,22 @@ def describe_daemon(socket_path: str, timeout_s: float = 2.0) -> wp.Welcome:
     if not isinstance(msg, wp.Welcome):
         raise DaemonUnavailable(f"daemon at {socket_path} answered {type(msg).__name__}")
     return msg
+
+
+def _connect(sock: socket.socket, path: str, deadline: float) -> None:
+    """``connect`` that waits while the daemon's listen backlog is full: a socket with a
+    timeout is non-blocking underneath, and for AF_UNIX a full backlog then fails at once
+    with EAGAIN instead of waiting (a connect flood by another client would refuse us)."""
+    pause = 0.001
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause > deadline:
+                raise TimeoutError("the daemon's listen backlog stayed full") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

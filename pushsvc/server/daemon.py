@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 import time
 import uuid
@@ -29,6 +30,8 @@ from pushsvc.server.service import PushService
 from pushsvc.server.workers import WorkerServer
 
 log = structlog.get_logger("pushsvc.daemon")
+
+_FD_LIMIT_CAP = 1 << 20
 
 
 class Daemon:
@@ -50,10 +53,13 @@ class Daemon:
             metrics=self.metrics,
             max_frame=config.max_worker_frame,
             allowed_uids=config.allowed_uids,
+            allowed_gids=config.allowed_gids,
             group=config.socket_group,
             max_connections=config.max_worker_connections,
+            hello_timeout_s=config.worker_hello_timeout_s,
+            max_pending=config.max_pending_workers,
         )
-        self.health = HealthServer(self, config.health_host, config.health_port)
+        self.health = HealthServer(self, config.health_host, config.health_port, self.metrics)
         self.should_exit = False
         self.force_exit = False
         self.started = False
@@ -68,6 +74,7 @@ class Daemon:
         if self.started:
             return
         self.started = True
+        _raise_fd_limit()
         # Owner only; with a socket group, members may traverse to reach the socket.
         mode = 0o710 if self.workers.gid is not None else 0o700
         os.makedirs(self.config.runtime_dir, mode=mode, exist_ok=True)
@@ -190,3 +197,19 @@ def _open_fds() -> int:
         return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir holds
     except OSError:
         return -1
+
+
+def _raise_fd_limit() -> None:
+    """Lift the soft RLIMIT_NOFILE to the hard one: systemd and most shells start services
+    with a soft limit of 1024, which a few hundred idle or hostile connections on the health
+    port and the worker socket would exhaust, starving everything that needs an fd."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # An unlimited hard limit still stops at fs.nr_open; 2^20 is its usual value.
+    target = _FD_LIMIT_CAP if hard == resource.RLIM_INFINITY else min(hard, _FD_LIMIT_CAP)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("fd_limit_not_raised", soft=soft, hard=hard, error=str(exc))
+            return
+        log.info("fd_limit_raised", soft=soft, now=target, hard=hard)

@@ -3,14 +3,33 @@
 Bound to loopback by default. ``/healthz`` answers while the event loop runs;
 ``/readyz`` only once the worker socket listens, the side channel is up, the daemon
 is not shutting down, and every rank that said hello has its KV memory registered.
+
+Slow or flooding clients must not starve the probes. A connection that has not finished a
+request within ``idle_timeout_s`` of opening (or of its last answer) is closed, however
+slowly it trickles header bytes; at most ``max_connections`` are open at once and a new
+one closes the oldest that holds no complete request. The listen backlog stays short:
+a flooder then waits for SYN retransmits, while a deep queue (measured with 4096) makes
+every probe wait behind thousands of dead connections, about a second on a loaded host.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from pushsvc.metrics import Metrics
+
+# Probes and scrapes open a connection, ask, and go; nothing legitimate idles for long.
+IDLE_TIMEOUT_S = 10.0
+# A memory bound (a few KiB each), not a fairness tool: below it idle connections cost
+# nothing but an fd, while above it every new connection closes an old one, which a client
+# that reconnects at once turns into a connect flood.
+MAX_CONNECTIONS = 1024
+_BACKLOG = 128
 
 
 class HealthSource(Protocol):
@@ -20,12 +39,18 @@ class HealthSource(Protocol):
 
 
 class HealthServer:
-    def __init__(self, source: HealthSource, host: str, port: int) -> None:
+    def __init__(self, source: HealthSource, host: str, port: int, metrics: Metrics | None = None, *,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
         self._source = source
         self._host = host
         self._port = port
+        self._counters = metrics
+        self._idle_timeout_s = idle_timeout_s
+        self._max_connections = max_connections
         self.port = 0
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self._dropped: set[RequestHandler] = set()
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -36,15 +61,46 @@ class HealthServer:
         return app
 
     async def start(self) -> int:
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # aiohttp 3.14 starts the keep-alive timer when the connection opens and does not
+        # move it while a request trickles in: it bounds idle and slowloris connections alike.
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False,
+                                     keepalive_timeout=self._idle_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port, reuse_address=True)
-        await site.start()
-        sockets = site._server.sockets if site._server else ()  # aiohttp exposes no public accessor
-        self.port = sockets[0].getsockname()[1] if sockets else self._port
+        # Our own listener instead of a TCPSite: every new connection passes through
+        # ``_new_connection``, which enforces the cap.
+        self._listener = await asyncio.get_running_loop().create_server(
+            self._new_connection, self._host, self._port, backlog=_BACKLOG, reuse_address=True)
+        self.port = self._listener.sockets[0].getsockname()[1]
         return self.port
 
+    def _new_connection(self) -> RequestHandler:
+        assert self._runner is not None and self._runner.server is not None
+        server = self._runner.server
+        conns = server.connections  # oldest first
+        # Closed handlers stay listed until their task ends; count each one once.
+        self._dropped.intersection_update(conns)
+        live = [h for h in conns if h not in self._dropped]
+        excess = len(live) + 1 - self._max_connections
+        for old in live:
+            if excess <= 0:
+                break
+            if _is_idle(old):
+                old.force_close()
+                self._dropped.add(old)
+                excess -= 1
+                if self._counters is not None:
+                    self._counters.rejected_connections.labels("health", "oldest_idle_dropped").inc()
+        return server()
+
+    @property
+    def open_connections(self) -> int:
+        server = self._runner.server if self._runner is not None else None
+        return 0 if server is None else sum(1 for h in server.connections if h not in self._dropped)
+
     async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -61,3 +117,10 @@ class HealthServer:
 
     async def _info(self, request: web.Request) -> web.Response:
         return web.json_response(self._source.info())
+
+
+def _is_idle(handler: RequestHandler) -> bool:
+    """No complete request queued and none being answered: an idle keep-alive connection,
+    one that never sent a byte, or one still trickling its headers. aiohttp has no public
+    accessor for this; ``tests/unit/test_health_flood.py`` pins the behaviour."""
+    return not getattr(handler, "_request_in_progress", False) and not getattr(handler, "_messages", ())

@@ -9,6 +9,12 @@ receive. A connection moves through ``ConnState`` in one place (``_advance``):
 A bad frame payload gets an ``Error`` reply and a counter and the connection lives on;
 a bad preamble, an oversized length prefix or a protocol violation before hello closes
 that one connection. Nothing a worker sends can stop the daemon serving others.
+
+Admission is by ``SO_PEERCRED`` (and ``SO_PEERGROUPS``) against an ``AccessPolicy``.
+Connections that have not finished their hello are "pending": each has
+``worker_hello_timeout_s`` to do so, and at most ``max_pending_workers`` wait at once;
+beyond that the oldest gives way (after reading whatever it already sent), so idle or
+flooding clients cannot keep a real worker out.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pushsvc.errors import LayoutError, ProtocolError, TransferError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import worker as wp
 from pushsvc.protocol.framing import DECODE_ERRORS, PREAMBLE, FrameBuffer, check_preamble, encode_preamble, frame
+from pushsvc.server.access import AccessPolicy, PendingQueue
 
 log = structlog.get_logger("pushsvc.workers")
 
@@ -36,6 +43,14 @@ _RECV_BYTES = 1 << 16
 _MAX_FDS_PER_MSG = wp.MAX_FDS
 _CMSG_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_MSG * 4)
 _UCRED = struct.Struct("3i")
+# Not exported by Python's socket module; Linux >= 4.13. The groups are those the peer had
+# at connect(), which /proc/<pid>/status (the fallback) cannot promise.
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+_MAX_PEER_GROUPS = 1024
+# Accepts per wake-up of the listening socket: a connect flood then shares each loop
+# iteration with the connections (and the health server) already there.
+_ACCEPTS_PER_WAKEUP = 16
+_BACKLOG = 128
 
 
 class ConnState(enum.Enum):
@@ -135,6 +150,7 @@ class WorkerConn:
             # READY before the welcome goes out: if the worker is already gone, the
             # failed send closes a READY connection, which detaches it from its rank.
             self.state = ConnState.READY
+            self.server.pending.discard(self)
             log.info("worker_connected", rank=msg.rank, role=msg.role, pid=self.pid, uid=self.uid)
             self.send(welcome)
         elif isinstance(msg, wp.Hello):
@@ -222,17 +238,21 @@ class WorkerConn:
 
 class WorkerServer:
     def __init__(self, *, path: str, service: Any, metrics: Metrics, max_frame: int,
-                 allowed_uids: list[int], group: str, max_connections: int) -> None:
+                 allowed_uids: list[int], allowed_gids: list[int], group: str, max_connections: int,
+                 hello_timeout_s: float, max_pending: int) -> None:
         self.path = path
         self.service = service
         self.metrics = metrics
         self.max_frame = max_frame
-        self.allowed_uids = set(allowed_uids) | {0, os.getuid()}
         self.gid = resolve_group(group) if group else None
+        self.policy = AccessPolicy.build(own_uid=os.getuid(), allowed_uids=allowed_uids,
+                                         allowed_gids=allowed_gids, socket_gid=self.gid)
         self.max_connections = max_connections
         self.conns: set[WorkerConn] = set()
+        self.pending: PendingQueue[WorkerConn] = PendingQueue(max_pending, hello_timeout_s)
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._sock: socket.socket | None = None
+        self._expiry: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -248,7 +268,10 @@ class WorkerServer:
             os.umask(old)
         if self.gid is not None:
             os.chown(self.path, -1, self.gid)
-        sock.listen(128)
+        # Short on purpose: in a connect flood a deep queue makes every newcomer wait
+        # behind thousands of dead connections; a full one refuses with EAGAIN, which
+        # DaemonClient retries until its timeout (measured: benchmarks/flood.py).
+        sock.listen(_BACKLOG)
         self._sock = sock
         self.loop.add_reader(sock.fileno(), self._on_accept)
 
@@ -258,7 +281,7 @@ class WorkerServer:
 
     def _on_accept(self) -> None:
         assert self._sock is not None
-        while True:
+        for _ in range(_ACCEPTS_PER_WAKEUP):
             try:
                 sock, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -271,13 +294,12 @@ class WorkerServer:
     def _admit(self, sock: socket.socket) -> None:
         pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         reason = ""
-        if uid not in self.allowed_uids and not (self.gid is not None and self.gid in _groups_of(pid, gid)):
-            reason = "uid_not_allowed"
+        if not self.policy.admits(uid, _peer_groups(sock, pid, gid)):
+            reason = "not_allowed"
         elif len(self.conns) >= self.max_connections:
             reason = "too_many_connections"
         if reason:
-            self.metrics.rejected_connections.labels("unix", reason).inc()
-            log.warning("worker_rejected", reason=reason, uid=uid, gid=gid, pid=pid)
+            self._refuse(reason, uid=uid, gid=gid, pid=pid)
             sock.close()
             return
         sock.setblocking(False)
@@ -288,9 +310,43 @@ class WorkerServer:
         if conn.state is ConnState.CLOSED:
             return  # the client left before our preamble could go out
         self.loop.add_reader(sock.fileno(), conn.on_readable)
+        deadline = self.pending.add(conn, self.loop.time())
+        if self._expiry is None:
+            self._expiry = self.loop.call_at(deadline, self._expire_pending)
+        self._make_room()
+
+    def _make_room(self) -> None:
+        """Drop the oldest pending connections beyond the cap. A worker whose hello is
+        already in its socket buffer is read first, so it becomes READY instead."""
+        while self.pending.over_cap():
+            oldest = self.pending.oldest()
+            assert oldest is not None
+            oldest.on_readable()
+            if oldest in self.pending:
+                self._drop_pending(oldest, "pending_overflow")
+
+    def _expire_pending(self) -> None:
+        self._expiry = None
+        for conn in self.pending.expired(self.loop.time()):
+            self._drop_pending(conn, "hello_timeout")
+        deadline = self.pending.next_deadline()
+        if deadline is not None:
+            self._expiry = self.loop.call_at(deadline, self._expire_pending)
+
+    def _drop_pending(self, conn: WorkerConn, reason: str) -> None:
+        self._refuse(reason, uid=conn.uid, pid=conn.pid, state=conn.state.value)
+        # A real worker caught by this learns why instead of seeing a bare EOF.
+        conn.send(wp.Error(code=reason, message="no hello in time" if reason == "hello_timeout"
+                           else "too many connections waiting for their hello"))
+        conn.close(reason)
+
+    def _refuse(self, reason: str, **fields: Any) -> None:
+        self.metrics.rejected_connections.labels("unix", reason).inc()
+        log.warning("worker_rejected", reason=reason, **fields)
 
     def forget(self, conn: WorkerConn) -> None:
         self.conns.discard(conn)
+        self.pending.discard(conn)
         self.metrics.worker_connections.set(len(self.conns))
 
     def stop_listening(self) -> None:
@@ -305,26 +361,37 @@ class WorkerServer:
 
     def close(self) -> None:
         self.stop_listening()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         for conn in list(self.conns):
             conn.close("daemon shutdown")
 
     def __repr__(self) -> str:
-        return f"<WorkerServer {self.path} conns={len(self.conns)}>"
+        return f"<WorkerServer {self.path} conns={len(self.conns)} pending={len(self.pending)}>"
 
 
-def _groups_of(pid: int, gid: int) -> set[int]:
-    """Primary and supplementary groups of a peer process (SO_PEERCRED gives only the
-    primary one)."""
+def _peer_groups(sock: socket.socket, pid: int, gid: int) -> set[int]:
+    """Primary and supplementary groups of the peer (SO_PEERCRED gives only the primary
+    one): from SO_PEERGROUPS, else from /proc/<pid>/status."""
     groups = {gid}
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, _MAX_PEER_GROUPS * 4)
+    except OSError:
+        return groups | _proc_groups(pid)
+    groups.update(array.array("I", raw[: len(raw) - len(raw) % 4]))
+    return groups
+
+
+def _proc_groups(pid: int) -> set[int]:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("Groups:"):
-                    groups.update(int(g) for g in line.split()[1:])
-                    break
+                    return {int(g) for g in line.split()[1:]}
     except OSError:
         pass
-    return groups
+    return set()
 
 
 def resolve_group(group: str) -> int:

@@ -125,6 +125,103 @@ async def test_socket_is_0600_and_runtime_dir_0700() -> None:
         assert stat.S_IMODE(os.stat(d.config.runtime_dir).st_mode) == 0o700
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("group", "mode"), [("", 0o600), (str(os.getgid()), 0o660)])
+async def test_socket_has_its_final_mode_at_bind_and_is_never_chmodded(
+        monkeypatch: pytest.MonkeyPatch, group: str, mode: int) -> None:
+    """The umask at bind() gives the mode: no chmod that would leave a window with wider
+    permissions. Every mode change during startup is recorded; none may touch the socket."""
+    changes: list[object] = []
+    real_chmod, real_fchmod = os.chmod, os.fchmod
+    monkeypatch.setattr(os, "chmod", lambda path, *a, **kw: (changes.append(os.fspath(path)), real_chmod(path, *a, **kw)))
+    monkeypatch.setattr(os, "fchmod", lambda fd, *a, **kw: (changes.append(fd), real_fchmod(fd, *a, **kw)))
+    async with daemon(socket_group=group) as d:
+        st = os.stat(d.config.socket_path)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == mode
+        if group:
+            assert st.st_gid == int(group)
+        assert d.config.socket_path not in changes
+        assert not any(isinstance(c, int) for c in changes)
+        assert changes == [d.config.runtime_dir]  # the directory only
+
+
+# ---------------------------------------------------------------- slow and flooding clients
+
+
+def raw_connect(path: str) -> socket.socket:
+    """A blocking connect that does not yield to the loop: the daemon sees the connection
+    only at the next loop iteration, with whatever was sent on it by then."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    return sock
+
+
+@pytest.mark.asyncio
+async def test_connection_without_hello_is_closed_at_the_deadline_and_counted() -> None:
+    async with daemon(worker_hello_timeout_s=0.3) as d:
+        silent = await RawConn.open(d.config.socket_path)
+        half = await RawConn.open(d.config.socket_path)
+        good = Worker(d, "both")
+        try:
+            await half.send(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR))  # preamble, then nothing
+            await good.connect()
+            for conn in (silent, half):
+                said = await conn.closed_by_daemon()
+                assert [(type(m), m.code) for m in said] == [(wp.Error, "hello_timeout")]
+            assert metric(d, "pushsvc_rejected_connections_total", listener="unix", reason="hello_timeout") == 2
+            await asyncio.sleep(0.5)  # past the deadline: the worker that said hello stays
+            await good.ping(1)
+            assert len(d.workers.conns) == 1 and len(d.workers.pending) == 0
+        finally:
+            silent.close()
+            half.close()
+            good.close()
+
+
+@pytest.mark.asyncio
+async def test_pending_cap_drops_the_oldest_and_a_real_worker_still_gets_in() -> None:
+    async with daemon(max_pending_workers=4, worker_hello_timeout_s=60.0) as d:
+        idle = [await RawConn.open(d.config.socket_path) for _ in range(10)]
+        good = Worker(d, "both")
+        try:
+            for conn in idle[:6]:
+                said = await conn.closed_by_daemon()
+                assert [(type(m), m.code) for m in said] == [(wp.Error, "pending_overflow")]
+            await wait_until(lambda: len(d.workers.pending) == 4, "four pending connections")
+            assert metric(d, "pushsvc_rejected_connections_total", listener="unix", reason="pending_overflow") == 6
+            await good.connect()
+            await good.ping(1)
+            # The worker's hello pushed out one more idle connection, never itself.
+            assert metric(d, "pushsvc_rejected_connections_total", listener="unix", reason="pending_overflow") == 7
+            assert len(d.workers.pending) == 3 and d.service.ranks[0].conn is not None
+        finally:
+            for conn in idle:
+                conn.close()
+            good.close()
+
+
+@pytest.mark.asyncio
+async def test_a_hello_already_sent_is_read_before_its_connection_could_be_dropped() -> None:
+    async with daemon(max_pending_workers=2, worker_hello_timeout_s=60.0) as d:
+        hello = frame(wp.encode(wp.Hello(engine_id=ENGINE, rank=0, tp_size=1, role="both")))
+        first = raw_connect(d.config.socket_path)
+        first.sendall(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR) + hello)
+        # Two newer connections arrive in the same loop iteration: the first one is the
+        # oldest pending when the cap is exceeded, but its hello is waiting in its buffer.
+        others = [raw_connect(d.config.socket_path) for _ in range(2)]
+        conn = RawConn(first)
+        first.setblocking(False)
+        try:
+            check_preamble(await conn.recv_exact(PREAMBLE.size), wp.MAGIC, wp.MAJOR)
+            assert isinstance(await conn.recv_msg(), wp.Welcome)
+            assert metric(d, "pushsvc_rejected_connections_total", listener="unix", reason="pending_overflow") == 0
+            assert len(d.workers.pending) == 2
+        finally:
+            conn.close()
+            for s in others:
+                s.close()
+
+
 # ---------------------------------------------------------------- hostile framing
 
 
