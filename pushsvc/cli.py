@@ -30,6 +30,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--side-channel-host", dest="side_channel_host")
     p.add_argument("--side-channel-port", dest="side_channel_port", type=int, help="0 picks a free port")
     p.add_argument("--advertised-host", dest="advertised_host")
+    p.add_argument("--side-channel-secret-file", dest="side_channel_secret_file", metavar="PATH",
+                   help="shared secret (mode 0600, >= 16 bytes) peers must prove before any metadata flows")
     p.add_argument("--lease-s", dest="lease_s", type=float)
     p.add_argument("--watchdog-s", dest="watchdog_s", type=float)
     p.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
@@ -71,7 +73,8 @@ _PROXY_FIELDS = ("prefill", "prefill_daemon", "decode", "port", "host", "timeout
 
 
 _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_port", "side_channel_host",
-              "side_channel_port", "advertised_host", "lease_s", "watchdog_s", "log_format", "log_level", "verify")
+              "side_channel_port", "advertised_host", "side_channel_secret_file", "lease_s", "watchdog_s", "log_format",
+              "log_level", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,7 +156,11 @@ def _serve(args: argparse.Namespace) -> int:
 async def _run_daemon(config: Config, ready_file: str | None) -> int:
     from pushsvc.server.daemon import Daemon
 
-    daemon = Daemon(config)
+    try:
+        daemon = Daemon(config)
+    except ConfigError as exc:  # the secret file changed after the config was loaded
+        print(f"pushsvc: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     daemon._install_signal_handlers()
     try:
         await daemon.startup()
