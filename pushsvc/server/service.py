@@ -63,6 +63,12 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
             secret=read_secret_file(config.side_channel_secret_file) if config.side_channel_secret_file else None,
         )
         metrics.watch_nixl_handles(self.nixl_handles)
+        # The table gauges read the tables when scraped. Set eagerly, they went stale:
+        # tables change in many places (settles, completions, cancellations), and a
+        # gauge left at its last value read as a leak after every table was empty.
+        for table in ("p_registrations", "p_staged", "p_writing", "d_pending"):
+            metrics.table_entries.labels(table).set_function(lambda t=table: self.table_sizes()[t])
+        metrics.inflight_writes.set_function(self.writes_in_flight)
         self._tasks: set[asyncio.Task] = set()
         self._retiring: list[LocalRank] = []  # replaced ranks whose WRITEs are settling
         self._generation = 0
@@ -420,15 +426,8 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
         task.add_done_callback(self._tasks.discard)
 
     def _update_gauges(self) -> None:
-        totals: dict[str, int] = {}
-        for rank in self.ranks.values():
-            for k, v in rank.sizes().items():
-                totals[k] = totals.get(k, 0) + v
-        for k, v in totals.items():
-            if k == "inflight":
-                self.metrics.inflight_writes.set(v)
-            else:
-                self.metrics.table_entries.labels(k).set(v)
+        """Nothing to do: the table gauges read the tables at scrape time (``__init__``).
+        Callers mark the points where tables change."""
 
     def table_sizes(self) -> dict[str, int]:
         totals: dict[str, int] = {"p_registrations": 0, "p_staged": 0, "p_writing": 0, "d_pending": 0, "inflight": 0}
