@@ -85,7 +85,7 @@ class SendSide:
                                                      reason=f"registration rejected: {exc}"))
                 return
         now = asyncio.get_running_loop().time()
-        outcome, match = rank.producer.add_registration(reg, sender, now)
+        outcome, match = rank.producer.add_registration(reg, sender, now, verified=known is not None)
         self.metrics.notifications.labels("push_reg").inc()
         if outcome is RegOutcome.CANCELLED:
             self.metrics.notifications.labels("push_reg_cancelled").inc()
@@ -123,6 +123,7 @@ class SendSide:
         if (peer.engine_id != reg.decode_engine_id or target is None or target.rank != reg.decode_rank
                 or target.tp_size != reg.decode_tp_size):
             # Not D's own registration: D is not told (it may not even exist).
+            self.metrics.malformed.labels("notification", "push_reg_sender_unknown").inc()
             self._fail_push(rank, match, None, "sender_mismatch",
                             f"PUSH_REG sender {match.registration.sender} is not {reg.decode_engine_id} "
                             f"rank {reg.decode_rank}", notify_remote=False)

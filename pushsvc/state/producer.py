@@ -27,6 +27,9 @@ class Registration:
     reg: PushReg
     sender: str  # NIXL agent name the PUSH_REG came from
     expires_at: float
+    # The sender was a known agent of the engine and rank the PUSH_REG names. An
+    # unknown one is kept (D's AgentsUpdate may still be on its way) but yields.
+    verified: bool = True
 
 
 @dataclass(slots=True)
@@ -113,13 +116,20 @@ class ProducerTable:
 
     # ------------------------------------------------------------------ inputs
 
-    def add_registration(self, reg: PushReg, sender: str, now: float) -> tuple[RegOutcome, Match | None]:
+    def add_registration(self, reg: PushReg, sender: str, now: float,
+                         verified: bool = True) -> tuple[RegOutcome, Match | None]:
         rid = reg.request_id
         if rid in self.cancelled:
             return RegOutcome.CANCELLED, None
-        if rid in self.registrations or rid in self._writing_remote:
+        held = self.registrations.get(rid)
+        if held is not None and verified and not held.verified:
+            # Whoever can reach our agent can send a PUSH_REG under D's request id
+            # first; the one from D's known agent replaces it rather than being
+            # dropped as a duplicate, so the id cannot be squatted.
+            self._pop_registration(rid)
+        elif held is not None or rid in self._writing_remote:
             return RegOutcome.DUPLICATE, None
-        registration = Registration(reg, sender, now + self.registration_ttl_s)
+        registration = Registration(reg, sender, now + self.registration_ttl_s, verified)
         local = rid if rid in self.staged else self._staged_index.first(rid)
         if local is None:
             self.registrations[rid] = registration

@@ -683,3 +683,25 @@ def test_tracks_staged_and_writing_requests_only(push_reg) -> None:
     table.finish("writing")
     table.evict("staged")
     assert not table.tracks("staged") and not table.tracks("writing")
+
+
+def test_registration_from_a_known_agent_replaces_an_unverified_one(push_reg) -> None:
+    table = ProducerTable(lease_s=LEASE, registration_ttl_s=TTL)
+    assert table.add_registration(push_reg(D_ID), "stranger", now=0.0, verified=False)[0] is RegOutcome.STASHED
+    outcome, match = table.add_registration(push_reg(D_ID), "d-agent", now=1.0)
+    assert outcome is RegOutcome.STASHED and table.registrations[D_ID].sender == "d-agent"
+    # ...but never the other way round, and a second unverified one is a duplicate.
+    assert table.add_registration(push_reg(D_ID), "stranger", now=2.0, verified=False)[0] is RegOutcome.DUPLICATE
+    assert table.add_registration(push_reg(D_ID), "d-agent", now=2.0)[0] is RegOutcome.DUPLICATE
+    outcome, match = table.add_staged(P_ID, BLOCKS, now=3.0)
+    assert outcome is StageOutcome.MATCHED and match.registration.sender == "d-agent"
+    assert table.sizes() == {"p_registrations": 0, "p_staged": 0, "p_writing": 1}
+
+
+def test_unverified_registration_replaced_before_its_blocks_are_staged_leaves_no_index(push_reg) -> None:
+    table = ProducerTable(lease_s=LEASE, registration_ttl_s=TTL)
+    table.add_registration(push_reg(D_ID), "stranger", now=0.0, verified=False)
+    table.add_registration(push_reg(D_ID), "d-agent", now=0.0)
+    assert len(table._reg_index) == 1
+    table.expire(TTL + 1)
+    assert table.sizes() == {"p_registrations": 0, "p_staged": 0, "p_writing": 0} and len(table._reg_index) == 0
