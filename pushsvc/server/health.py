@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
+import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pushsvc.metrics import Metrics
+
+log = structlog.get_logger("pushsvc.health")
 
 # Probes and scrapes open a connection, ask, and go; nothing legitimate idles for long.
 IDLE_TIMEOUT_S = 10.0
@@ -76,6 +79,15 @@ class HealthServer:
     def _new_connection(self) -> RequestHandler:
         assert self._runner is not None and self._runner.server is not None
         server = self._runner.server
+        try:
+            self._make_room(server)
+        except Exception:
+            # uvloop stops accepting for good when a protocol factory raises: a bug in
+            # the cap must cost the cap, not the health endpoint.
+            log.exception("health_cap_failed")
+        return server()
+
+    def _make_room(self, server: web.Server) -> None:
         conns = server.connections  # oldest first
         # Closed handlers stay listed until their task ends; count each one once.
         self._dropped.intersection_update(conns)
@@ -90,7 +102,6 @@ class HealthServer:
                 excess -= 1
                 if self._counters is not None:
                     self._counters.rejected_connections.labels("health", "oldest_idle_dropped").inc()
-        return server()
 
     @property
     def open_connections(self) -> int:
