@@ -249,6 +249,10 @@ def _read_toml(path: str) -> dict[str, object]:
         raise ConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("config", f"invalid TOML in {path}: {exc}") from None
+    except UnicodeDecodeError as exc:  # tomllib decodes the bytes before it parses
+        raise ConfigError("config", f"{path} is not UTF-8: {exc}") from None
+    except RecursionError:  # tomllib's parser recurses once per nested array or table
+        raise ConfigError("config", f"{path} nests arrays or tables too deeply") from None
     table = data.get("pushsvc")
     if isinstance(table, dict):
         # A [pushsvc] table means the file is shared: other tables belong to other tools,
