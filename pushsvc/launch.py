@@ -90,7 +90,7 @@ class Stack:
         proc = self._spawn(name, [sys.executable, "-m", "pushsvc", "serve", "--engine-id", name, "--runtime-dir",
                                   str(rt), "--health-port", "0", "--side-channel-port", "0", "--ready-file",
                                   str(ready), "--log-format", "json", *extra])
-        self._wait(proc, lambda: ready.exists(), 60)
+        self._wait(proc, lambda: ready.exists(), 60, interval=0.05)  # restarts are timed: poll finely
         proc.info = json.loads(ready.read_text())
         proc.url = f"http://127.0.0.1:{proc.info['health_port']}"
         return proc
@@ -140,7 +140,7 @@ class Stack:
         self._wait(proc, lambda: _ok(f"{proc.url}/healthz"), 60)
         return proc
 
-    def _wait(self, proc: Proc, ready: Callable[[], bool], timeout: float) -> None:
+    def _wait(self, proc: Proc, ready: Callable[[], bool], timeout: float, interval: float = 0.25) -> None:
         start = time.monotonic()
         last = -1
         while not ready():
@@ -152,7 +152,7 @@ class Stack:
             if waited != last and waited % 5 == 0:
                 self.progress(f"  waiting for {proc.name} ... {waited}s")
                 last = waited
-            time.sleep(0.25)
+            time.sleep(interval)
         self.progress(f"  {proc.name} ready after {time.monotonic() - start:.1f}s ({proc.url or proc.log})")
 
     def stop(self, proc: Proc) -> int:

@@ -1,10 +1,12 @@
 """Fixtures of the end-to-end tests: a tiny model, reference outputs from a colocated vLLM,
-and one P/D stack (two daemons, vLLM P and D with the pushsvc connector, the proxy) that
-the whole module shares, because every vLLM server costs ~45 s of start-up on this host.
+and one P/D stack (two daemons, vLLM P and D with the pushsvc connector, the proxy) per test
+module, which its tests share (every vLLM server costs ~45 s of start-up on this host); a
+module's stack stops before the next module's starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -15,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import LEASE_S, PD, WATCHDOG_S, E2EStack, build_requests, generate_all
+from helpers import (
+    LEASE_S,
+    PD,
+    WATCHDOG_S,
+    E2EStack,
+    PDOptions,
+    build_requests,
+    generate_all,
+)
 
 from pushsvc.launch import Proc, connector_config
 from pushsvc.tinymodel import ensure_tiny_model
@@ -65,25 +75,28 @@ def _start_in_parallel(**starters: Any) -> dict[str, Proc]:
         return {name: f.result() for name, f in futures.items()}
 
 
-@pytest.fixture(scope="session")
-def pd(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> Iterator[PD]:
-    workdir = Path(tempfile.mkdtemp(prefix="pse2e-"))  # short: Unix socket paths live under it
+def start_pd(workdir: Path, model_path: str, tokenizer: Any, flags: dict[str, tuple[str, ...]] | None = None,
+             *, with_refs: bool = True) -> Iterator[PD]:
+    """Start a P/D stack (after the colocated reference outputs, unless ``with_refs`` is
+    false) and yield it; stopped on exit. ``flags`` are each daemon's, default lease and watchdog."""
     progress = print  # shown with -s, and in the report of a failed test's setup
     reqs = build_requests(tokenizer, model_path)
     verify = _daemon_supports("--verify")
     with E2EStack(workdir, progress=progress) as st:
         started = time.monotonic()
-        colocated = st.vllm("vllm-colocated", model_path)
-        refs = generate_all(colocated.url, reqs.all())
-        bad = {r.name: str(refs[r.name]) for r in reqs.all()
-               if not refs[r.name].ok or len(refs[r.name].tokens) != r.body["max_tokens"]}
-        assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
-        st.stop(colocated)  # free both cores before P and D start
-        progress(f"  reference outputs in {time.monotonic() - started:.1f}s")
+        refs: dict[str, Any] = {}
+        if with_refs:
+            colocated = st.vllm("vllm-colocated", model_path)
+            refs = generate_all(colocated.url, reqs.all())
+            bad = {r.name: str(refs[r.name]) for r in reqs.all()
+                   if not refs[r.name].ok or len(refs[r.name].tokens) != r.body["max_tokens"]}
+            assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
+            st.stop(colocated)  # free both cores before P and D start
+            progress(f"  reference outputs in {time.monotonic() - started:.1f}s")
 
         common = ("--verify",) if verify else ()
-        flags = {"prefill": ("--lease-s", str(LEASE_S), *common),
-                 "decode": ("--watchdog-s", str(WATCHDOG_S), *common)}
+        flags = flags or {"prefill": ("--lease-s", str(LEASE_S)), "decode": ("--watchdog-s", str(WATCHDOG_S))}
+        flags = {name: (*f, *common) for name, f in flags.items()}
         pdaemon = st.daemon("prefill", *flags["prefill"])
         ddaemon = st.daemon("decode", *flags["decode"])
         servers = _start_in_parallel(
@@ -97,8 +110,28 @@ def pd(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> Itera
         progress(f"  P/D stack up {time.monotonic() - started:.1f}s after the start (workdir {workdir})")
         yield PD(st, model_path, reqs, refs, flags, verify, pdaemon, ddaemon, servers["prefill"],
                  servers["decode"], proxy)
-    if request.session.testsfailed == 0:
+
+
+@contextlib.contextmanager
+def kept_on_failure(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A short work dir (Unix socket paths live under it), removed unless a test failed."""
+    workdir = Path(tempfile.mkdtemp(prefix="pse2e-"))
+    failed_before = request.session.testsfailed
+    yield workdir
+    if request.session.testsfailed == failed_before:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
         print(f"e2e logs kept in {workdir}")
 
+
+@pytest.fixture(scope="module")
+def pd_options() -> PDOptions:
+    return PDOptions()
+
+
+# Module scope: each module starts its own stack and stops it before the next module's
+# starts, so one vLLM pair at a time shares the host.
+@pytest.fixture(scope="module")
+def pd(request: pytest.FixtureRequest, model_path: str, tokenizer: Any, pd_options: PDOptions) -> Iterator[PD]:
+    with kept_on_failure(request) as workdir:
+        yield from start_pd(workdir, model_path, tokenizer, pd_options.flags, with_refs=pd_options.with_refs)

@@ -189,6 +189,14 @@ class E2EStack(Stack):
         return super()._spawn(name, argv, env)
 
 
+@dataclass(frozen=True)
+class PDOptions:
+    """How a module's stack is started; a test module overrides the ``pd_options`` fixture."""
+
+    flags: dict[str, tuple[str, ...]] | None = None  # each daemon's flags; None: the default lease and watchdog
+    with_refs: bool = True  # colocated reference outputs first (one more vLLM start)
+
+
 @dataclass
 class PD:
     """The running P/D deployment. Tests that restart or kill a process update it."""
