@@ -45,6 +45,7 @@ class KVWorker:
             for blk in range(args.blocks):
                 self.write_block(r_idx, blk, pattern(args.seed, r_idx, blk, args.block_len))
         self.events: list[dict] = []
+        self.arrived: dict[int, float] = {}  # id(event) -> wall-clock arrival (collect)
 
     def block_addr(self, region: int, block: int) -> int:
         r = self.regions[region]
@@ -72,6 +73,24 @@ class KVWorker:
         if op == "ready":
             self.client.send(wp.SendReady(request_id=cmd["request_id"], block_ids=cmd["block_ids"]))
             return {}
+        if op == "recv_many":
+            # Many registrations in one command, so a stream is not paced by the test.
+            pace = cmd.get("interval", 0.0)
+            for rid, blocks in cmd["requests"]:
+                if pace:
+                    time.sleep(pace)
+                    self._poll()  # events keep flowing while the stream is paced
+                self.client.send(wp.RegisterRecv(
+                    request_id=rid, local_block_ids=blocks, remote_engine_id=cmd["remote_engine_id"],
+                    remote_host=cmd["remote_host"], remote_port=cmd["remote_port"],
+                    remote_tp_size=cmd.get("remote_tp_size", 1)))
+            return {}
+        if op == "ready_many":
+            for rid, blocks in cmd["requests"]:
+                self.client.send(wp.SendReady(request_id=rid, block_ids=blocks))
+            return {}
+        if op == "collect":
+            return self.collect(cmd["request_ids"], cmd.get("timeout", 30.0), cmd.get("linger", 0.2))
         if op == "evict":
             self.client.send(wp.Evict(request_ids=cmd["request_ids"]))
             return {}
@@ -98,16 +117,46 @@ class KVWorker:
 
     def _poll(self) -> list:
         got = self.client.poll()
+        now = time.time()
         for e in got:
             if not isinstance(e, wp.Pong):
-                self.events.append(_as_dict(e))
+                d = _as_dict(e)
+                self.arrived[id(d)] = now
+                self.events.append(d)
         return got
+
+    def collect(self, request_ids: list[str], timeout: float, linger: float) -> dict:
+        """Every event for ``request_ids``, with the wall-clock time each arrived: waits
+        until each id has one, then ``linger`` seconds more so duplicates show up too."""
+        wanted = set(request_ids)
+        got: dict[str, list[dict]] = {rid: [] for rid in request_ids}
+        at: dict[str, list[float]] = {rid: [] for rid in request_ids}
+        deadline = time.monotonic() + timeout
+        linger_until = None
+        while True:
+            keep = []
+            for e in self.events:
+                rid = e.get("request_id")
+                if rid in wanted:
+                    got[rid].append(e)
+                    at[rid].append(self.arrived.pop(id(e), time.time()))
+                else:
+                    keep.append(e)
+            self.events = keep
+            now = time.monotonic()
+            if linger_until is None and all(got.values()):
+                linger_until = now + linger
+            if now > deadline or (linger_until is not None and now > linger_until):
+                return {"events": got, "at": at}
+            self._poll()
+            time.sleep(0.0005)
 
     def wait(self, request_id: str, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             for i, e in enumerate(self.events):
                 if e.get("request_id") == request_id:
+                    self.arrived.pop(id(e), None)
                     return {"event": self.events.pop(i)}
             if time.monotonic() > deadline:
                 return {"event": None}
