@@ -59,6 +59,7 @@ class Req:
     evicted: bool = False
     final: str = ""
     reason: str = ""
+    ended_at: float = 0.0
 
 
 @dataclass
@@ -387,8 +388,23 @@ class Storm:
         return True
 
     def _op_start_other_side(self, live_p, live_d, half) -> bool:
-        pair = self.rng.choice(half)
-        return self._start_d(pair) if pair.d is None else self._start_p(pair)
+        # Mostly the other half of a live request (a push, or an abort mid-way); now
+        # and then that of one that already ended (a late half, left to the timers).
+        fresh = [p for p in half if not (p.d or p.p).final]
+        pair = self.rng.choice(fresh if fresh and self.rng.random() < 0.85 else half)
+        started = self._start_d(pair) if pair.d is None else self._start_p(pair)
+        self._forget_stale_halves()
+        return started
+
+    def _forget_stale_halves(self) -> None:
+        """Pairs whose one started side ended over a second ago never start the other:
+        the list of open pairs stays short however long the storm runs."""
+        now = time.monotonic()
+        for n in list(self.open_pairs):
+            pair = self.pairs[n]
+            side = pair.d if pair.p is None else pair.p if pair.d is None else None
+            if side is not None and side.final and now - side.ended_at > 1.0:
+                self.open_pairs.remove(n)
 
     def _op_bad_registration(self, live_p, live_d, half) -> bool:
         n = self.next_pair
@@ -513,7 +529,7 @@ class Storm:
                                f"{'it ended before in ' + repr(before) if before else 'never started'}")
             return
         self.ended[(side, rid)] = (kind, reason)
-        req.final, req.reason = kind, reason
+        req.final, req.reason, req.ended_at = kind, reason, time.monotonic()
         reason_class = reason.split(":")[0].split(" ")[0] if reason else "ok"
         self.outcomes[f"{side}:{kind}:{reason_class}"] += 1
         pair = self.pairs[req.pair]
