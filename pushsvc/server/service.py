@@ -250,6 +250,13 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                 self.metrics.failures.labels("peer_lost").inc()
                 log.info("registration_dropped", request_id=reg.reg.request_id, peer=peer.engine_id, reason="peer down")
             busy = {f.remote_agent for f in rank.inflight.values()}
+            held = [rid for rid, f in rank.inflight.items() if f.remote_agent in names]
+            if held:
+                # NIXL cannot recall a posted WRITE (releasing the handle does not cancel a
+                # UCX put), so these blocks stay leased until NIXL settles the WRITE: at
+                # once if the peer died, when it resumes if it was only stopped.
+                log.warning("writes_held", peer=peer.engine_id, rank=rank.rank, writes=len(held),
+                            request_ids=held[:8])
             for name in names & set(rank.remote_dlists):
                 if name in busy:
                     continue  # removed once its WRITEs settle (progress loop)
