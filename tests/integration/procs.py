@@ -136,4 +136,10 @@ class WorkerProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        elif not self.proc.stdin.closed:
+            # A worker killed by the test: its pipe is closed here, not by the collector.
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
         self.proc.stdout.close()
