@@ -79,8 +79,10 @@ def _documents(draw: st.DrawFn) -> bytes:
     return "\n".join(lines).encode("utf-8", "surrogatepass")
 
 
-_deep = st.sampled_from([b"a = " + b"[" * 5000 + b"]" * 5000, b"a = " + b"{b = " * 2000 + b"1" + b"}" * 2000,
-                         b"[pushsvc]\n" + b"health_port = " + b"[" * 100_000])
+# Just past tomllib's recursion limit (about a thousand levels): deeper costs time, not
+# coverage.
+_deep = st.sampled_from([b"a = " + b"[" * 1200 + b"]" * 1200, b"a = " + b"{b = " * 1200 + b"1" + b"}" * 1200,
+                         b"[pushsvc]\n" + b"health_port = " + b"[" * 1200])
 
 
 def test_config_loader_fuzz(fuzz_cases: int) -> None:
@@ -97,7 +99,7 @@ def test_config_loader_fuzz(fuzz_cases: int) -> None:
             try:
                 cfg = load_config(path, env={})
             except ConfigError as exc:
-                assert exc.field and exc.message, doc
+                assert exc.message, doc  # the field may be "": a key spelled ""
                 counts["refused"] += 1
             else:
                 cfg.validate()  # what it returns is valid, and stays so
