@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from pushsvc.engine.nixl import NixlAgent
+from pushsvc.errors import TransferError
 
 SIZE = 16 << 20
 CHUNK = 1 << 20
@@ -66,11 +67,13 @@ def probe(mode: str) -> dict:
     try:
         while not os.path.exists(f"{workdir}/meta"):
             time.sleep(0.01)
-        base = int(open(f"{workdir}/addr").read())
+        with open(f"{workdir}/addr") as f:
+            base = int(f.read())
         src = np.full(SIZE, ord("X"), dtype=np.uint8)
         agent = NixlAgent("probe-initiator", ["UCX"], False)
         agent.register([(src.ctypes.data, SIZE)], "DRAM")
-        name = agent.add_remote(open(f"{workdir}/meta", "rb").read())
+        with open(f"{workdir}/meta", "rb") as f:
+            name = agent.add_remote(f.read())
         n = SIZE // CHUNK
         local = agent.prep_local(np.array([[src.ctypes.data + i * CHUNK, CHUNK, 0] for i in range(n)], np.uint64),
                                  "DRAM")
@@ -91,7 +94,7 @@ def probe(mode: str) -> dict:
             try:
                 agent.release(handle)
                 result["release"] = "ok"
-            except Exception as exc:  # reported, not hidden: this is what we measure
+            except TransferError as exc:  # reported, not hidden: this is what we measure
                 result["release"] = f"failed: {exc}"
         if mode == "release_remove":
             agent.remove_remote(name)
