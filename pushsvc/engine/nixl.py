@@ -35,7 +35,12 @@ def _torch_without_cuda() -> bool:
         text = (Path(spec.origin).parent / "version.py").read_text()
     except OSError:
         return False  # unknown: let nixl decide
-    return re.search(r"^cuda\b[^=]*=\s*None\s*$", text, re.MULTILINE) is not None
+    return says_no_cuda(text)
+
+
+def says_no_cuda(torch_version_py: str) -> bool:
+    """Whether torch's ``version.py`` sets ``cuda`` to None (a build without CUDA)."""
+    return re.search(r"^cuda\b[^=]*=\s*None\s*$", torch_version_py, re.MULTILINE) is not None
 
 
 def _nixl_api_module() -> str:
