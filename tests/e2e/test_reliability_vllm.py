@@ -100,6 +100,26 @@ def _transfers(url: str, result: str = "done") -> float:
     return metric(scrape(url), "pushsvc_transfers_total", result=result) or 0.0
 
 
+def _counters(pd: PD) -> dict[str, float]:
+    """How requests ended on the daemons: P's pushes by result, what each side reclaimed
+    on its own (P's lease, D's watchdog), failures by kind."""
+    out: dict[str, float] = {}
+    for side, url in pd.daemon_urls().items():
+        samples = scrape(url)
+        for s in samples:
+            if s.name == "pushsvc_transfers_total":
+                out[f"{side}.transfers.{s.labels['result']}"] = s.value
+            elif s.name == "pushsvc_failures_total":
+                out[f"{side}.failures.{s.labels['kind']}"] = s.value
+            elif s.name in ("pushsvc_leases_expired_total", "pushsvc_watchdog_expired_total"):
+                out[f"{side}.{s.name[len('pushsvc_'):-len('_total')]}"] = s.value
+    return out
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items()) if v != before.get(k, 0.0)}
+
+
 def _daemon_ready(url: str) -> bool:
     """/readyz 200 with a worker connected and its KV memory registered."""
     try:
@@ -207,6 +227,7 @@ def test_abort_storm(pd: PD, tokenizer: Any) -> None:
         rid = rng.choice(ids[-8:]) if ids and rng.random() < 0.1 else _rid(f"storm{i}")
         ids.append(rid)
         plan.append((req, rid, mode))
+    counted = _counters(pd)
     started = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda p: _storm_one(pd, p[0], p[1], p[2], random.Random(p[1])), plan))
@@ -220,7 +241,8 @@ def test_abort_storm(pd: PD, tokenizer: Any) -> None:
     cleanup_started = time.monotonic()
     after = _wait_idle(pd)
     figure("abort_storm", requests=STORM_REQUESTS, seconds=round(storm_s, 1), outcomes=dict(outcomes),
-           reused_ids=dup_ids, cleanup_s=round(time.monotonic() - cleanup_started, 1), before=baseline, after=after)
+           reused_ids=dup_ids, cleanup_s=round(time.monotonic() - cleanup_started, 1),
+           daemon_counters=_delta(counted, _counters(pd)), before=baseline, after=after)
     _assert_no_leak(baseline, after)
     for side in ("prefill", "decode"):
         assert pd.prefill.alive() and pd.decode.alive(), f"{side} vLLM died in the storm\n{pd.logs()}"
@@ -338,6 +360,7 @@ def test_d_vllm_killed_mid_stream(pd: PD, tokenizer: Any) -> None:
     reqs = _load_requests(pd, tokenizer)
     baseline = _warm(pd, reqs)
     purl = pd.prefill_daemon.url
+    counted = _counters(pd)
     done_before = _transfers(purl)
     with Load(pd.proxy.url, reqs, CONCURRENCY, timeout_s=HANG_S + 30) as load:
         wait_for("P daemon's completed pushes", lambda: _transfers(purl) - done_before,
@@ -387,8 +410,10 @@ def test_d_vllm_killed_mid_stream(pd: PD, tokenizer: Any) -> None:
         out = generate(pd.proxy.url, req, timeout=HANG_S)
         assert out.ok, f"after D's vLLM restart, {req.name}: {out}\n{pd.logs()}"
     after = _wait_idle(pd)
+    counters = _delta(counted, _counters(pd))
     baseline_d = {**baseline, "decode_vllm": {**baseline["decode_vllm"], "fds": after["decode_vllm"]["fds"]}}
     figure("d_vllm_killed", pushes_before_kill=pushes, writing_at_kill=list(writing), write_settle_s=round(settle_s, 3),
            leases_freed_s=round(leases_s, 1), load_outcomes=dict(outcomes), after_kill=len(after_kill),
-           slowest_answer_s=round(slowest, 1), d_vllm_restart_s=round(d_up_s, 1), before=baseline, after=after)
+           slowest_answer_s=round(slowest, 1), d_vllm_restart_s=round(d_up_s, 1), daemon_counters=counters,
+           before=baseline, after=after)
     _assert_no_leak(baseline_d, after)  # D's vLLM is a new process: its fds have no baseline
