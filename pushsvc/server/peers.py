@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +30,11 @@ from pushsvc.protocol.framing import HEADER, PREAMBLE, CountingDecoder, check_pr
 
 log = structlog.get_logger("pushsvc.peers")
 
+# Agent names of departed peers remembered to refuse their late notifications; agent
+# names are never reused (they carry the daemon id and a generation), so this only
+# bounds memory.
+_DEPARTED_KEPT = 4096
+
 
 @dataclass
 class Peer:
@@ -41,6 +47,9 @@ class Peer:
     agents: dict[str, pp.AgentInfo] = field(default_factory=dict)  # by agent name
     sessions: set[Session] = field(default_factory=set)
     heartbeat_interval_s: float = 1.0
+    # Known dead: a new incarnation of its engine said hello. A peer that only went
+    # silent or closed its sessions may still have WRITEs on the way.
+    gone: bool = False
 
     def agent_for_rank(self, rank: int) -> pp.AgentInfo | None:
         for info in self.agents.values():
@@ -87,6 +96,8 @@ class PeerEvents:
 
     def peer_up(self, peer: Peer, new_agents: list[pp.AgentInfo]) -> None: ...
     def peer_down(self, peer: Peer) -> None: ...
+    def peer_gone(self, peer: Peer) -> None:
+        """A peer lost earlier is known dead now (a new incarnation said hello)."""
     def push_failed(self, peer: Peer, msg: pp.PushFailed) -> None: ...
     def cancel_push(self, peer: Peer, msg: pp.CancelPush) -> None: ...
     def push_cancelled(self, peer: Peer, msg: pp.PushCancelled) -> None: ...
@@ -126,6 +137,8 @@ class PeerManager:
         self.peers: dict[str, Peer] = {}  # by daemon_id
         self._by_engine: dict[str, Peer] = {}
         self._by_agent: dict[str, Peer] = {}
+        self._departed: OrderedDict[str, None] = OrderedDict()  # agent names, oldest first
+        self._lost: dict[str, Peer] = {}  # engine id -> last incarnation lost without being known dead
         self._dialing: dict[tuple[str, int], asyncio.Future[Peer]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -316,7 +329,17 @@ class PeerManager:
         if old is not None and old.daemon_id != hello.daemon_id:
             # Same engine, new incarnation: the old one's agents and sessions are stale.
             log.info("peer_restarted", peer=hello.engine_id, old=old.daemon_id[:8], new=hello.daemon_id[:8])
+            old.gone = True
             self._forget(old)
+        lost = self._lost.pop(hello.engine_id, None)
+        if lost is not None and lost.daemon_id != hello.daemon_id:
+            # The incarnation we lost earlier is dead, not just silent: nothing it sent
+            # is still on the way, and a late notification from its agents is refused.
+            log.info("peer_restarted", peer=hello.engine_id, old=lost.daemon_id[:8], new=hello.daemon_id[:8])
+            lost.gone = True
+            for name in lost.agents:
+                self._remember_departed(name)
+            self._events.peer_gone(lost)
         peer = self.peers.get(hello.daemon_id)
         if peer is None:
             peer = Peer(hello.daemon_id, hello.engine_id, hello.side_channel_host, hello.side_channel_port)
@@ -339,6 +362,7 @@ class PeerManager:
                 del peer.agents[name]
                 if self._by_agent.get(name) is peer:
                     del self._by_agent[name]
+                self._remember_departed(name)
             peer.agents[a.agent_name] = a
             self._by_agent[a.agent_name] = peer
         self._events.peer_up(peer, new)
@@ -406,12 +430,27 @@ class PeerManager:
         for name in peer.agents:
             if self._by_agent.get(name) is peer:
                 del self._by_agent[name]
+            if peer.gone:  # a peer that only went silent may come back with these agents
+                self._remember_departed(name)
+        if not peer.gone and not self._closing:
+            self._lost[peer.engine_id] = peer  # until it returns or a new incarnation does
         for s in list(peer.sessions):
             s.close()
         peer.sessions.clear()
         self._metrics.peers.set(sum(1 for p in self.peers.values() if p.alive))
         log.info("peer_down", peer=peer.engine_id, daemon=peer.daemon_id[:8])
         self._events.peer_down(peer)
+
+    def departed(self, agent_name: str) -> bool:
+        """``agent_name`` belonged to a peer incarnation or worker that is gone: a
+        notification from it is late, never a new request."""
+        return agent_name in self._departed
+
+    def _remember_departed(self, agent_name: str) -> None:
+        self._departed[agent_name] = None
+        self._departed.move_to_end(agent_name)
+        while len(self._departed) > _DEPARTED_KEPT:
+            self._departed.popitem(last=False)
 
     # ------------------------------------------------------------------ sending
 

@@ -216,7 +216,10 @@ class ReceiveSide:
     def _request_cancel(self, rank: LocalRank, entry: PendingRecv) -> None:
         peer = self.peers.find_engine(entry.remote.engine_id)
         if peer is None or not self.peers.send(peer, pp.CancelPush(request_id=entry.request_id, rank=rank.rank)):
-            self._fail_recv(rank, entry.request_id, entry.reason, "P daemon unreachable")
+            # P cannot confirm, but a WRITE it posted may still land: the blocks stay
+            # held until the entry's cancel deadline (or the WRITE's completion).
+            log.warning("cancel_unsent", request_id=entry.request_id, rank=rank.rank, peer=entry.remote.engine_id,
+                        reason="P daemon unreachable")
 
     def push_cancelled(self, peer: Peer, msg: pp.PushCancelled) -> None:
         rank = self.ranks.get(msg.rank)

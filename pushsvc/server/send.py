@@ -67,6 +67,11 @@ class SendSide:
                             ProtocolError(f"PUSH_REG for engine {reg.remote_engine_id}"))
             return
         known = self.peers.find_agent(sender)
+        if known is None and self.peers.departed(sender):
+            # From a D incarnation or worker that is gone: late, and never to be written.
+            self._malformed("notification", "push_reg_departed_agent", sender,
+                            ProtocolError(f"PUSH_REG from departed agent {sender}"))
+            return
         if known is not None and (known.engine_id != reg.decode_engine_id or
                                   (a := known.agents[sender]).rank != reg.decode_rank or a.tp_size != reg.decode_tp_size):
             # A known agent registering for someone else's engine or rank: refusing it

@@ -29,7 +29,7 @@ from pushsvc.server.ranks import LocalRank, layout_from_regions, layout_of_agent
 from pushsvc.server.recv import ReceiveSide
 from pushsvc.server.send import SendSide
 from pushsvc.shm import SharedBuffer
-from pushsvc.state.consumer import ConsumerTable, RecvState
+from pushsvc.state.consumer import PEER_LOST, ConsumerTable, RecvState
 from pushsvc.state.layout import descriptor_table
 from pushsvc.state.producer import ProducerTable
 
@@ -241,10 +241,19 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
     def peer_down(self, peer: Peer) -> None:
         names = set(peer.agents)
         for rank in self.ranks.values():
-            # D: registrations P will never serve now.
+            # D: registrations P will never serve now. A P known dead (a new incarnation
+            # said hello) writes nothing more; one that went silent or closed may still
+            # have a WRITE on the way, so its blocks are held until the WRITE's
+            # completion or the cancel grace, never handed back while bytes may land.
+            now = asyncio.get_running_loop().time()
             for entry in rank.consumer.waiting_on(peer.engine_id):
-                if entry.state is not RecvState.PENDING:
-                    self._fail_recv(rank, entry.request_id, "peer_lost", f"P daemon {peer.engine_id} went away")
+                if entry.state is RecvState.PENDING:
+                    continue
+                if peer.gone:
+                    self._fail_recv(rank, entry.request_id, "peer_lost", f"P daemon {peer.engine_id} restarted")
+                elif rank.consumer.orphan(entry.request_id, now) is not None:
+                    log.warning("recv_held_for_lost_peer", request_id=entry.request_id, rank=rank.rank,
+                                peer=peer.engine_id, until_s=round(entry.deadline - now, 3))
             # P: registrations from agents that no longer exist.
             for reg in rank.producer.drop_registrations_from(names):
                 self.metrics.failures.labels("peer_lost").inc()
@@ -262,6 +271,13 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                     continue  # removed once its WRITEs settle (progress loop)
                 self._unload_remote(rank, name)
         self._update_gauges()
+
+    def peer_gone(self, peer: Peer) -> None:
+        """The P incarnation D held blocks for is dead: no WRITE of it can land now."""
+        for rank in self.ranks.values():
+            for entry in rank.consumer.waiting_on(peer.engine_id):
+                if entry.state is RecvState.CANCELLING and entry.reason == PEER_LOST:
+                    self._fail_recv(rank, entry.request_id, PEER_LOST, f"P daemon {peer.engine_id} restarted")
 
     def _unload_remote(self, rank: LocalRank, name: str) -> None:
         handle = rank.remote_dlists.pop(name, None)
@@ -346,6 +362,8 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                     continue
                 rank.forget_recv(entry.request_id)
                 kind = "cancel_unconfirmed" if entry.state is RecvState.CANCELLING else "watchdog"
+                if entry.reason == PEER_LOST:
+                    kind = PEER_LOST
                 if kind == "watchdog":
                     self.metrics.watchdog_expired.inc()
                 self.metrics.failures.labels(kind).inc()
@@ -353,6 +371,8 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                             peer=entry.remote.engine_id, phase=kind)
                 reason = (f"watchdog: no push within {self.config.watchdog_s}s" if entry.reason == "watchdog"
                           or entry.state is not RecvState.CANCELLING else f"{entry.reason}: P did not confirm")
+                if kind == PEER_LOST:
+                    reason = f"peer_lost: P daemon {entry.remote.engine_id} went away; no WRITE landed"
                 self._tell(rank, wp.RecvFailed(request_id=entry.request_id, block_ids=entry.flat_block_ids,
                                                reason=reason))
         if changed:
@@ -375,12 +395,7 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
         rank.conn = None
         # Registrations D sent to the old worker's agent will never be served: D
         # fails them now rather than at its watchdog.
-        senders = {r.sender for r in rank.producer.registrations.values()}
-        for reg in rank.producer.drop_registrations_from(senders):
-            peer = self.peers.find_agent(reg.sender)
-            if peer is not None:
-                self.peers.send(peer, pp.PushFailed(request_id=reg.reg.request_id, rank=reg.reg.decode_rank,
-                                                    reason=f"P worker restarted: {reason}"))
+        self._refuse_registrations(rank, f"P worker restarted: {reason}")
         self._retiring.append(rank)
         self._poll_retiring(asyncio.get_running_loop().time())
         self.metrics.agents.set(len(self.ranks))
@@ -392,6 +407,15 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
             for kind, n in rank.agent.handles().items():
                 totals[kind] = totals.get(kind, 0) + n
         return totals
+
+    def _refuse_registrations(self, rank: LocalRank, reason: str) -> None:
+        """Drop the D registrations ``rank`` holds unmatched and tell each D now."""
+        senders = {r.sender for r in rank.producer.registrations.values()}
+        for reg in rank.producer.drop_registrations_from(senders):
+            peer = self.peers.find_agent(reg.sender)
+            if peer is not None:
+                self.peers.send(peer, pp.PushFailed(request_id=reg.reg.request_id, rank=reg.reg.decode_rank,
+                                                    reason=reason))
 
     def writes_in_flight(self) -> int:
         return sum(len(r.inflight) for r in [*self.ranks.values(), *self._retiring])
@@ -448,6 +472,10 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
         return not any(r.busy or r.producer.registrations or r.consumer.pending for r in self.ranks.values())
 
     async def close(self) -> None:
+        # D learns now which of its registrations will never be written (their blocks
+        # are free at once); those with a WRITE still in flight it holds for its grace.
+        for rank in self.ranks.values():
+            self._refuse_registrations(rank, "P daemon shutting down")
         await self.peers.close()
         tasks = list(self._tasks)
         for t in tasks:

@@ -6,6 +6,8 @@ Pure state, ``now`` passed in. Life of a D request::
                |                    \\--evict--> cancelling --fail (P confirmed)--> removed
                \\--evict--> removed (P never saw it)
     sent --watchdog--> cancelling (reason "watchdog")
+    sent/cancelling --P lost--> cancelling (reason "peer_lost"): a completion still
+                                counts as done; the grace running out fails it
     any other state --fail / watchdog expiry--> removed
 
 ``expected`` is how many completion notifications this rank must see: P ranks that
@@ -19,6 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+
+
+PEER_LOST = "peer_lost"
 
 
 class RecvState(Enum):
@@ -105,7 +110,7 @@ class ConsumerTable:
         if entry.seen < entry.expected:
             return CompletionOutcome.PARTIAL, entry
         self._drop(request_id)
-        if entry.state is RecvState.CANCELLING:
+        if entry.state is RecvState.CANCELLING and entry.reason != PEER_LOST:
             return CompletionOutcome.CANCELLED, entry
         return CompletionOutcome.DONE, entry
 
@@ -125,6 +130,19 @@ class ConsumerTable:
                 entry.deadline = min(entry.deadline, now + self.cancel_grace_s)
             return entry
         return self._drop(request_id)
+
+    def orphan(self, request_id: str, now: float) -> PendingRecv | None:
+        """P's daemon went away without being known dead: a WRITE it posted may still
+        land. Hold the blocks (CANCELLING, reason ``peer_lost``) until the WRITE's
+        completion arrives (then the request is done) or ``cancel_grace_s`` runs out."""
+        entry = self.pending.get(request_id)
+        if entry is None or entry.state is RecvState.PENDING:
+            return None
+        if entry.state is RecvState.SENT:
+            entry.reason = PEER_LOST  # a cancelling one keeps why it was cancelled
+        entry.state = RecvState.CANCELLING
+        entry.deadline = min(entry.deadline, now + self.cancel_grace_s)
+        return entry
 
     def expire(self, now: float) -> list[PendingRecv]:
         """Overdue entries. A SENT one is not dropped but turned CANCELLING (P may be

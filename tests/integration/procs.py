@@ -78,6 +78,7 @@ def start_daemon(base: Path, engine_id: str, *extra: str, timeout: float = 60.0)
     runtime = base / engine_id
     runtime.mkdir(parents=True, exist_ok=True)
     ready = runtime / "ready.json"
+    ready.unlink(missing_ok=True)  # a restart under the same engine id must not read the old one
     log_path = runtime / "daemon.log"
     cmd = [sys.executable, "-m", "pushsvc", "serve", "--engine-id", engine_id, "--runtime-dir", str(runtime),
            "--health-port", "0", "--side-channel-port", "0", "--ready-file", str(ready),

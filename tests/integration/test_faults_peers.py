@@ -462,17 +462,21 @@ def test_peer_returns_under_the_same_name(spawn):
     assert P.live_info()["nixl_handles"]["remote_agents"] == 1
 
     # A PUSH_REG under the old agent's name, arriving after the new D is up, for
-    # blocks P then finishes: refused, counted, no WRITE anywhere.
+    # blocks P then finishes: refused on arrival, counted, no WRITE anywhere, and P's
+    # blocks stay staged for a real registration.
     done = P.metric("pushsvc_transfers_total", result="done")
     out = subprocess.run([sys.executable, str(HERE / "late_push_reg.py"), "127.0.0.1", str(P.side_port),
                           P.engine_id, old_agent, "late-req", "6", "7"],
                          check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    _wait_until(lambda: P.metric("pushsvc_notifications_total", kind="push_reg") >= 3, 10, "P read the late PUSH_REG")
+    departed = {"source": "notification", "reason": "push_reg_departed_agent"}
+    _wait_until(lambda: P.metric("pushsvc_malformed_inputs_total", **departed) == 1, 10, "P refused the late PUSH_REG")
     pw.call("ready", request_id="late-req", block_ids=[[8, 9]])
+    assert pw.call("wait", request_id="late-req", timeout=0.5)["event"] is None  # staged, not failed
+    assert P.live_info()["tables"]["p_staged"] == 1 and P.live_info()["tables"]["p_registrations"] == 0
+    pw.call("evict", request_ids=["late-req"])
     event = pw.wait("late-req")
-    assert event["type"] == "SendFailed" and "sender_mismatch" in event["reason"], event
-    assert P.metric("pushsvc_failures_total", kind="sender_mismatch") == 1
+    assert event["type"] == "SendFailed" and "cancelled" in event["reason"], event
     assert P.metric("pushsvc_transfers_total", result="done") == done
     after = dw2.digests()
     changed = [(r, b) for r in range(2 * LAYERS) for b in range(D_BLOCKS) if before[r][b] != after[r][b]]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pushsvc.state.consumer import CompletionOutcome, ConsumerTable, PendingRecv, RecvState, Remote
+from pushsvc.state.consumer import PEER_LOST, CompletionOutcome, ConsumerTable, PendingRecv, RecvState, Remote
 
 WATCHDOG = 60.0
 
@@ -207,6 +207,50 @@ def test_watchdog_expires_cancelling_entries(table) -> None:
     table.mark_sent("r")
     table.evict("r")
     assert table.expire(WATCHDOG) == [r]
+
+
+# ---------------------------------------------------------------- P lost
+
+
+def test_orphan_holds_a_sent_registration_until_its_grace(table) -> None:
+    r = table.add("r", [[1, 2]], remote(), now=0.0)
+    table.mark_sent("r")
+    assert table.orphan("r", now=10.0) is r
+    assert (r.state, r.reason, r.deadline) == (RecvState.CANCELLING, PEER_LOST, 10.0 + table.cancel_grace_s)
+    assert table.holder([[2]]) == (2, "r"), "a WRITE may still land: the blocks stay held"
+    assert table.expire(10.0 + table.cancel_grace_s - 0.001) == []
+    assert table.expire(10.0 + table.cancel_grace_s) == [r]
+    assert table.pending == {} and table.holder([[1, 2]]) is None
+
+
+def test_completion_of_an_orphaned_registration_is_done(table) -> None:
+    # Every byte landed before (or after) P went away: the request succeeded.
+    r = table.add("r", [[1]], remote(), now=0.0)
+    table.mark_sent("r")
+    table.orphan("r", now=1.0)
+    assert table.on_completion("r") == (CompletionOutcome.DONE, r)
+
+
+def test_orphan_keeps_a_worker_cancellation_cancelled(table) -> None:
+    r = table.add("r", [[1]], remote(), now=0.0)
+    table.mark_sent("r")
+    table.evict("r", now=1.0)
+    assert table.orphan("r", now=2.0) is r
+    assert r.reason == "cancelled"
+    assert table.on_completion("r") == (CompletionOutcome.CANCELLED, r)
+
+
+def test_orphan_ignores_pending_and_unknown(table) -> None:
+    table.add("r", [[1]], remote(), now=0.0)
+    assert table.orphan("r", now=1.0) is None  # P never saw it: the handshake task decides
+    assert table.orphan("nope", now=1.0) is None
+
+
+def test_orphan_never_extends_a_deadline(table) -> None:
+    r = table.add("r", [[1]], remote(), now=0.0)
+    table.mark_sent("r")
+    table.orphan("r", now=WATCHDOG - 1.0)
+    assert r.deadline == WATCHDOG
 
 
 # ---------------------------------------------------------------- watchdog

@@ -193,13 +193,18 @@ async def test_shutdown_waits_for_a_held_write_then_finishes() -> None:
 
 @pytest.mark.asyncio
 async def test_shutdown_gives_up_on_a_write_that_never_settles() -> None:
-    async with push_pair(p_config={"drain_timeout_s": 0.3}) as pair:
+    async with push_pair(p_config={"drain_timeout_s": 0.3},
+                         d_config={"peer_timeout_s": 1.0, "heartbeat_interval_s": 0.2}) as pair:
         await _held_push(pair)
         await asyncio.wait_for(pair.p.shutdown(), 5.0)
         assert pair.p.stopped
         assert pair.fake.held, "the WRITE never settled"
         assert not any(name.startswith(P_ENGINE) for name in pair.fake.agents), "P's agent is released anyway"
-        # D hears that P went away instead of waiting for its watchdog.
+        # The WRITE was announced and P left without settling it: D holds the blocks
+        # for its cancel grace rather than handing them back while bytes may land...
+        await wait_until(lambda: pair.d.info()["peers"] == [], "D to see P leave")
+        assert pair.d.info()["tables"]["d_pending"] == 1
+        # ...and then fails the request instead of waiting for its watchdog.
         failed = await pair.dw.wait_for(wp.RecvFailed, "cmpl-a-0-11111111")
         assert "peer_lost" in failed.reason
         assert np.array_equal(pair.dw.snapshot(), pair.dw.initial)
