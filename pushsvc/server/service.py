@@ -348,6 +348,8 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                     rank.forget_recv(rid)
                     self.metrics.verified.labels("missing").inc()
                     self.metrics.failures.labels("verify").inc()
+                    log.error("verify_failed", request_id=rid, rank=rank.rank, peer=entry.remote.engine_id,
+                              error="P's digests never arrived")
                     self._tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
                                                    reason="verify: P's digests never arrived"))
             for entry in rank.consumer.expire(now):
