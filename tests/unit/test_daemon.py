@@ -210,3 +210,27 @@ async def test_shutdown_gives_up_on_a_write_that_never_settles() -> None:
         assert np.array_equal(pair.dw.snapshot(), pair.dw.initial)
         await assert_tables_empty(pair.p, pair.d)
         pair.fake.held.clear()  # P's memory is unmapped: the held WRITE must never run now
+
+
+@pytest.mark.asyncio
+async def test_a_new_incarnation_of_p_frees_blocks_held_for_the_old_one_at_once() -> None:
+    # A long grace, so only P's restart can end the hold within the test.
+    async with push_pair(p_config={"drain_timeout_s": 0.3}, d_config={"peer_timeout_s": 60.0}) as pair:
+        await _held_push(pair)
+        await asyncio.wait_for(pair.p.shutdown(), 5.0)
+        await wait_until(lambda: pair.d.info()["peers"] == [], "D to see P leave")
+        assert pair.d.info()["tables"]["d_pending"] == 1, "held while the old P may still write"
+        async with running_daemon(pair.fake, P_ENGINE) as p2:
+            pw2 = Worker(p2, "producer")
+            await pw2.start(8)
+            try:
+                # D's next registration dials the new P; its hello shows the old one is dead.
+                pair.register_recv("cmpl-b-0-11111111", [5, 6], remote_port=p2.service.peers.port)
+                failed = await pair.dw.wait_for(wp.RecvFailed, "cmpl-a-0-11111111")
+                assert "restarted" in failed.reason
+                await wait_until(lambda: p2.info()["tables"]["p_registrations"] == 1, "the new P to get the PUSH_REG")
+                pair.dw.send(wp.Evict(request_ids=["cmpl-b-0-11111111"]))
+                await pair.dw.wait_for(wp.RecvFailed, "cmpl-b-0-11111111")
+            finally:
+                pw2.client.close()
+        pair.fake.held.clear()
