@@ -117,14 +117,17 @@ def _wait_until(pred, timeout: float, what: str, period: float = 0.01) -> float:
     return time.monotonic() - t0
 
 
-def _strike(P, proc, sig: int, min_done: int = 15, catch_s: float = 2.0) -> float:
+def _strike(P, proc, sig: int, min_done: int = 15, catch_s: float = 2.0, latest_done: int = STREAM * 2 // 3) -> float:
     """Send ``sig`` to ``proc`` once the stream runs, preferably while a WRITE is in
-    flight (polled for up to ``catch_s``; a loaded host may not catch one, which the
-    ``held`` requests of the tests make up for). Returns the wall-clock time of the signal."""
+    flight (polled for up to ``catch_s``, and only while fewer than ``latest_done`` pushes
+    are done, so the stream is still running when the signal lands; a loaded host may not
+    catch a WRITE in flight, which the ``held`` requests of the tests make up for).
+    Returns the wall-clock time of the signal."""
     _wait_until(lambda: P.metric("pushsvc_transfers_total", result="done") >= min_done, 30, "stream running",
                 period=0.002)
     deadline = time.monotonic() + catch_s
-    while P.metric("pushsvc_inflight_writes") < 1 and time.monotonic() < deadline:
+    while (time.monotonic() < deadline and P.metric("pushsvc_inflight_writes") < 1
+           and P.metric("pushsvc_transfers_total", result="done") < latest_done):
         pass
     t = time.time()
     proc.send_signal(sig)
