@@ -117,11 +117,13 @@ class PushWorker:
     def get_finished(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """Completed transfers. With ``wait_s`` > 0 (an idle engine step) and transfers
         pending but nothing to report yet, first wait up to ``wait_s`` for an event."""
-        if (wait_s > 0 and self._registered and (self._recving or self._sending)
+        # ``connected`` too: the client closes its socket as soon as it reads the
+        # daemon's EOF and reports the loss on the next poll, below.
+        if (wait_s > 0 and self._registered and self.client.connected and (self._recving or self._sending)
                 and not (self._done_sending or self._done_recving)):
             try:
                 select.select([self.client], [], [], wait_s)
-            except (OSError, ValueError):
+            except (OSError, ValueError, DaemonUnavailable):
                 pass  # reported by the poll below
         if self._available():
             try:

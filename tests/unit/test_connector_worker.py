@@ -146,3 +146,28 @@ async def test_evicted_receive_releases_blocks_without_load_errors(base, silent_
     finally:
         worker.close()
         await daemon.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_idle_wait_after_the_client_saw_the_daemon_close_reports_the_loss(base, silent_port) -> None:
+    # The client closes its socket as soon as it reads the daemon's EOF (events that came
+    # with it are returned first) and reports the loss on its next poll. An idle engine
+    # step in between must not select on the closed socket: that raised inside vLLM's
+    # engine step and killed the engine.
+    daemon = Daemon(daemon_config(f"{base}/rt", D_ENGINE, watchdog_s=60.0), engine=FakeEngine())
+    await daemon.startup()
+    buf = SharedBuffer.create(2 * NUM_BLOCKS * BLOCK_LEN)
+    worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="consumer",
+                        connect_timeout_s=5.0)
+    try:
+        await asyncio.to_thread(worker.register, [buf], kv_regions(NUM_BLOCKS), 1)
+        reg = wp.RegisterRecv(request_id="waiting", local_block_ids=[[4]], remote_engine_id="prefill",
+                              remote_host="127.0.0.1", remote_port=silent_port)
+        worker.start_step(PushsvcMetadata(recvs={"waiting": reg}))
+        await wait_until(lambda: daemon.info()["tables"]["d_pending"] == 1, "the daemon to track the request")
+        worker.client.close()  # as after an EOF read together with events
+        assert worker.get_finished(wait_s=0.01) == (set(), {"waiting"})
+        assert worker.take_load_errors() == {4}
+    finally:
+        worker.close()
+        await daemon.shutdown()
