@@ -29,7 +29,9 @@ from pushsvc_connector.metadata import PushsvcMetadata
 # Under the "vllm" logger so vLLM's own handler and level apply.
 log = init_logger("vllm.pushsvc_connector")
 
-RECONNECT_INTERVAL_S = 1.0
+RECONNECT_INTERVAL_S = 0.25
+# While the daemon is away, every attempt fails; one warning per this many is enough.
+_WARN_EVERY = 40
 
 
 class PushWorker:
@@ -43,6 +45,7 @@ class PushWorker:
         self._blocks_per_logical = 1
         self._registered = False
         self._next_connect = 0.0
+        self._connect_failures = 0
         self._recving: dict[str, list[int]] = {}  # D: request -> its block ids
         self._evicted: set[str] = set()  # D: evicted, final report pending
         self._sending: set[str] = set()
@@ -64,8 +67,12 @@ class PushWorker:
         except PushsvcError as exc:
             self.client.close()
             self._registered = False
-            log.warning("pushsvc daemon unavailable at %s: %s", self.client.socket_path, exc)
+            if self._connect_failures % _WARN_EVERY == 0:
+                log.warning("pushsvc daemon unavailable at %s (attempt %d): %s", self.client.socket_path,
+                            self._connect_failures + 1, exc)
+            self._connect_failures += 1
             return False
+        self._connect_failures = 0
         self._registered = True
         log.info("pushsvc connected: engine %s, side channel %s:%d, %d regions", welcome.engine_id,
                  welcome.side_channel_host, welcome.side_channel_port, len(self._regions))
