@@ -111,7 +111,6 @@ class ReceiveSide:
         self.metrics.failures.labels(kind).inc()
         log.warning("recv_failed", request_id=rid, rank=rank.rank, peer=entry.remote.engine_id, kind=kind, error=reason)
         self._tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids, reason=f"{kind}: {reason}"))
-        self._update_gauges()
 
     def _on_completion(self, rank: LocalRank, sender: str, payload: bytes) -> None:
         try:

@@ -176,7 +176,6 @@ class SendSide:
         rank.producer.finish(match.request_id)
         rank.staged_at.pop(match.request_id, None)
         self.metrics.transfers.labels("released").inc()
-        self._update_gauges()
         log.info("push_released", request_id=match.request_id, peer=match.registration.reg.decode_engine_id,
                  reason="D registered no blocks")
         self._tell(rank, wp.SendDone(request_id=match.request_id))
@@ -255,7 +254,6 @@ class SendSide:
         log.warning("push_failed", request_id=match.request_id, remote_request_id=reg.request_id,
                     peer=reg.decode_engine_id, kind=kind, error=reason)
         self._tell(rank, wp.SendFailed(request_id=match.request_id, reason=f"{kind}: {reason}"))
-        self._update_gauges()
         peer = peer or self.peers.find_engine(reg.decode_engine_id)
         if notify_remote and peer is not None:
             self.peers.send(peer, pp.PushFailed(request_id=reg.request_id, rank=reg.decode_rank,

@@ -134,7 +134,6 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                 rank.registered_at.clear()
                 rank.incoming.clear()
                 rank.staged_at.clear()
-                self._update_gauges()
 
     def register_kv(self, rank: LocalRank, msg: wp.RegisterKV, fds: list[int]) -> wp.KVRegistered:
         if rank.layout is not None:
@@ -195,7 +194,6 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
             self._tell(rank, wp.Pong(token=msg.token))
         else:
             raise ProtocolError(f"unexpected {type(msg).__name__}")
-        self._update_gauges()
         self.wake()
 
     # ================================================================ peer events
@@ -240,12 +238,12 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
 
     def peer_down(self, peer: Peer) -> None:
         names = set(peer.agents)
+        now = asyncio.get_running_loop().time()
         for rank in self.ranks.values():
             # D: registrations P will never serve now. A P known dead (a new incarnation
             # said hello) writes nothing more; one that went silent or closed may still
             # have a WRITE on the way, so its blocks are held until the WRITE's
             # completion or the cancel grace, never handed back while bytes may land.
-            now = asyncio.get_running_loop().time()
             for entry in rank.consumer.waiting_on(peer.engine_id):
                 if entry.state is RecvState.PENDING:
                     continue
@@ -270,7 +268,6 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                 if name in busy:
                     continue  # removed once its WRITEs settle (progress loop)
                 self._unload_remote(rank, name)
-        self._update_gauges()
 
     def peer_gone(self, peer: Peer) -> None:
         """The P incarnation D held blocks for is dead: no WRITE of it can land now."""
@@ -330,10 +327,8 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
             self._unload_remote(rank, name)
 
     def _expire(self, now: float) -> None:
-        changed = False
         for rank in self.ranks.values():
             for exp in rank.producer.expire(now):
-                changed = True
                 rank.staged_at.pop(exp.request_id, None)
                 if exp.kind == "lease":
                     self.metrics.leases_expired.inc()
@@ -344,7 +339,6 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                     log.info("registration_expired", request_id=exp.request_id, peer=exp.sender)
             for rid, (entry, landed_at) in list(rank.landed.items()):
                 if now - landed_at >= self.config.peer_timeout_s:
-                    changed = True
                     rank.forget_recv(rid)
                     self.metrics.verified.labels("missing").inc()
                     self.metrics.failures.labels("verify").inc()
@@ -353,7 +347,6 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                     self._tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
                                                    reason="verify: P's digests never arrived"))
             for entry in rank.consumer.expire(now):
-                changed = True
                 if entry.state is RecvState.CANCELLING and entry.request_id in rank.consumer.pending:
                     # P has the registration: its blocks are reusable only once P
                     # confirms (or its grace runs out), so ask before reporting.
@@ -377,8 +370,6 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
                     reason = f"peer_lost: P daemon {entry.remote.engine_id} went away; no WRITE landed"
                 self._tell(rank, wp.RecvFailed(request_id=entry.request_id, block_ids=entry.flat_block_ids,
                                                reason=reason))
-        if changed:
-            self._update_gauges()
 
     # ================================================================ misc
 
@@ -457,10 +448,6 @@ class PushService(SendSide, ReceiveSide, PeerEvents):
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _update_gauges(self) -> None:
-        """Nothing to do: the table gauges read the tables at scrape time (``__init__``).
-        Callers mark the points where tables change."""
 
     def table_sizes(self) -> dict[str, int]:
         totals: dict[str, int] = {"p_registrations": 0, "p_staged": 0, "p_writing": 0, "d_pending": 0, "inflight": 0}
