@@ -39,6 +39,9 @@ class DaemonClient:
         self.hello = wp.Hello(engine_id=engine_id, rank=rank, tp_size=tp_size, role=role, pid=os.getpid())
         self.timeout_s = timeout_s
         self.welcome: wp.Welcome | None = None
+        # The daemon's protocol minor, from its preamble: what this client may send it
+        # (a field newer than the daemon's minor would be refused as unknown).
+        self.daemon_minor = 0
         self._max_frame = max_frame
         self._sock: socket.socket | None = None
         self._frames = FrameBuffer(max_frame)
@@ -55,12 +58,13 @@ class DaemonClient:
         try:
             _connect(sock, self.socket_path, time.monotonic() + self.timeout_s)
             sock.sendall(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR) + frame(wp.encode(self.hello)))
-            check_preamble(_recv_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
+            minor = check_preamble(_recv_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
         except (OSError, ProtocolError) as exc:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to daemon at {self.socket_path}: {exc}") from None
         sock.setblocking(False)
         self._sock = sock
+        self.daemon_minor = minor
         self._frames = FrameBuffer(self._max_frame)
         self._out.clear()
         self._backlog.clear()
@@ -92,6 +96,10 @@ class DaemonClient:
         return self._wait_for(wp.KVRegistered)
 
     # ------------------------------------------------------------------ steady state
+
+    def supports(self, minor: int) -> bool:
+        """Whether the connected daemon speaks worker protocol 1.``minor`` or later."""
+        return self.daemon_minor >= minor
 
     @property
     def connected(self) -> bool:

@@ -20,10 +20,17 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 MAX_FDS = 250
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 BlockIds = Annotated[list[Annotated[list[U32], msgspec.Meta(max_length=1 << 20)]], msgspec.Meta(max_length=64)]
+# A transfer's match key: minted once per P/D exchange (by the proxy, or by P's connector
+# when no proxy did) and carried by both legs, so P pairs D's registration with exactly
+# the blocks of the same exchange whatever the request ids are. "" = none (match by id).
+MATCH_KEY_MAX = 64
+MatchKey = Annotated[str, msgspec.Meta(max_length=MATCH_KEY_MAX, pattern=r"^[A-Za-z0-9._:-]*$")]
 
 MAGIC = b"PSVW"
 MAJOR = 1
-MINOR = 0
+MINOR = 1  # 1.1: RegisterRecv.match_key, SendReady.match_key
+# The first minor whose daemon accepts ``match_key``; a client sets it only for such a daemon.
+MATCH_KEY_MINOR = 1
 
 Role = Literal["producer", "consumer", "both"]
 
@@ -105,6 +112,7 @@ class RegisterRecv(msgspec.Struct, tag="register_recv", **_opts):
     remote_host: Name
     remote_port: Port
     remote_tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    match_key: MatchKey = ""  # 1.1
 
 
 class SendReady(msgspec.Struct, tag="send_ready", **_opts):
@@ -112,6 +120,7 @@ class SendReady(msgspec.Struct, tag="send_ready", **_opts):
 
     request_id: RequestId
     block_ids: BlockIds
+    match_key: MatchKey = ""  # 1.1
 
 
 class Evict(msgspec.Struct, tag="evict", **_opts):
