@@ -6,8 +6,9 @@
 - ``transfer``: ``--transfer-only``, two daemons pushing between in-process workers, no
   vLLM; a few seconds.
 - ``run``: the lifecycle both share (processes, exit codes, Ctrl-C, logs);
-  ``console``: what is printed while waiting; ``client``: the streaming, timing client;
-  ``prompts``, ``report``: inputs and judging.
+  ``console``: what is printed while waiting; ``report``: judging and formatting.
+  The prompts and the streaming, timing client are ``pushsvc.loadgen``'s, shared with the
+  benchmarks.
 """
 
 from pushsvc.demo.run import DemoOptions, default_model_dir, run_demo

@@ -11,11 +11,11 @@ at the transfer rather than at rounding) and never an answer cut short or too lo
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pushsvc.demo.client import Result
+from pushsvc.loadgen.client import Result
+from pushsvc.loadgen.stats import Timing, percentile, timings
 
 TOLERATED_DIVERGENCES = 1
 
@@ -49,23 +49,23 @@ def compare(reference: Result, got: Result) -> Comparison:
     if at is None:
         return Comparison(got.request_id, "match", True)
     if at == min(len(reference.text), len(got.text)):  # one is a prefix of the other: cut short
-        return Comparison(got.request_id, f"DIFFERS at char {at}: {len(got.tokens)} tokens, colocated "
-                          f"{len(reference.tokens)}", False, diverged_at=at)
-    token = _token_at(reference.tokens, at)
-    first = token == 0 or reference.tokens[:1] != got.tokens[:1]
+        return Comparison(got.request_id, f"DIFFERS at char {at}: {len(got.chunks)} tokens, colocated "
+                          f"{len(reference.chunks)}", False, diverged_at=at)
+    token = _token_at(reference.chunks, at)
+    first = token == 0 or reference.chunks[:1] != got.chunks[:1]
     where = "first token" if first else f"token {token + 1}"
     return Comparison(got.request_id, f"DIFFERS at char {at} ({where})", False, diverged_at=at,
                       tolerable=not first)
 
 
-def _token_at(tokens: Sequence[str], char: int) -> int:
+def _token_at(chunks: Sequence[str], char: int) -> int:
     """Index of the streamed token that holds character ``char`` of their concatenation."""
     end = 0
-    for i, text in enumerate(tokens):
+    for i, text in enumerate(chunks):
         end += len(text)
         if char < end:
             return i
-    return len(tokens)
+    return len(chunks)
 
 
 def verdict(comparisons: Sequence[Comparison]) -> tuple[bool, str]:
@@ -105,29 +105,19 @@ def log_line(line: str, width: int = 160) -> str:
     return _clip(" ".join([*head, *(f"{k}={v}" for k, v in doc.items())]), width)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100), interpolated between the nearest ranks."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
-def spread(results: Sequence[Result], attr: str) -> str:
-    values = [getattr(r, attr) for r in results if r.ok and getattr(r, attr) is not None]
+def spread(results: Sequence[Result], timing: Timing) -> str:
+    values = timings(results, timing)
     if not values:
         return "n/a"
     return f"p50 {percentile(values, 50) * 1e3:6.0f} ms   p90 {percentile(values, 90) * 1e3:6.0f} ms"
 
 
-def p50(results: Sequence[Result], attr: str) -> float:
-    return percentile([getattr(r, attr) for r in results if r.ok and getattr(r, attr) is not None], 50)
+def p50(results: Sequence[Result], timing: Timing) -> float:
+    return percentile(timings(results, timing), 50)
 
 
 _COLUMNS = ("request", "words", "prompt tokens", "TTFT ms", "latency ms", "colocated TTFT ms", "output")

@@ -21,11 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pushsvc.demo import report
-from pushsvc.demo.client import Result, run_batch
 from pushsvc.demo.console import Console
-from pushsvc.demo.prompts import Prompt, make_prompts
 from pushsvc.launch import Proc, Stack, connector_config
+from pushsvc.loadgen.client import Result, run_batch
+from pushsvc.loadgen.prompts import Prompt, mixed_prompts
 from pushsvc.tinymodel import ensure_tiny_model
+
+# Longer than the benchmarks' minute: the demo is one try on whatever machine it is run,
+# where a slow request is worth showing rather than cutting off.
+REQUEST_TIMEOUT_S = 180.0
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,8 @@ class ServingOptions:
 def run_serving_demo(stack: Stack, console: Console, options: ServingOptions) -> bool:
     """True if every P/D output equals its colocated output (one late bf16 near-tie aside)."""
     model = _ensure_model(console, options.model_dir)
-    prompts = make_prompts(options.prompts)
-    warmup = make_prompts(1, prefix="warmup")
+    prompts = mixed_prompts(options.prompts, prefix="demo")
+    warmup = mixed_prompts(1, prefix="warmup")
     words = [p.words for p in prompts]
     console.line(f"  {len(prompts)} prompts of {min(words)} to {max(words)} words, {options.max_tokens} tokens each "
                  f"(greedy), {options.concurrency} at a time; logs under {stack.workdir}")
@@ -130,11 +134,10 @@ def _batch(console: Console, label: str, url: str, model: str, prompts: Sequence
         console.status(label, f"  {label}: {done}/{len(prompts)} requests done")
 
     console.status(label, f"  {label}: 0/{len(prompts)} requests done")
-    started = time.monotonic()
-    results = run_batch(url, model, prompts, max_tokens=options.max_tokens, concurrency=options.concurrency,
-                        on_result=finished)
+    results, wall_s = run_batch(url, model, prompts, max_tokens=options.max_tokens, concurrency=options.concurrency,
+                                on_result=finished, timeout_s=REQUEST_TIMEOUT_S)
     failed = sum(not r.ok for r in results)
-    summary = f"  {label}: {len(results)} request{'s' if len(results) > 1 else ''} in {time.monotonic() - started:.1f}s"
+    summary = f"  {label}: {len(results)} request{'s' if len(results) > 1 else ''} in {wall_s:.1f}s"
     if failed:
         summary += f", {failed} FAILED"
     elif describe:
