@@ -167,13 +167,14 @@ WAITED = [0.0]  # seconds spent waiting for a quiet host, over the whole run
 def run_serving(args, model: str, out_dir: Path, watch: HostWatch) -> dict:
     from tokenizers import Tokenizer
 
-    import loadgen
     import serving
 
+    from pushsvc.loadgen.prompts import long_prompts, mixed_prompts
+
     tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
-    sets = {"mixed": loadgen.mixed_prompts(tok, args.mixed), "long": loadgen.long_prompts(tok, args.long)}
+    sets = {"mixed": mixed_prompts(args.mixed, tokenizer=tok), "long": long_prompts(tok, args.long)}
     sets = {k: v for k, v in sets.items() if v}
-    warmup = [*loadgen.mixed_prompts(tok, 2, prefix="warm"), *loadgen.long_prompts(tok, 1, prefix="warm-long")]
+    warmup = [*mixed_prompts(2, prefix="warm", tokenizer=tok), *long_prompts(tok, 1, prefix="warm-long")]
     conc = [int(c) for c in args.concurrency.split(",")]
     workloads = [serving.Workload(s, c) for s in sets for c in conc]
     chosen = serving.anchors(json.loads(args.nixl_extra) if args.nixl_extra else None)
@@ -186,7 +187,7 @@ def run_serving(args, model: str, out_dir: Path, watch: HostWatch) -> dict:
     per_anchor = sum(len(sets[w.prompt_set]) for w in workloads)
     result: dict = {
         "model": model, "max_tokens": args.max_tokens, "idle_window_s": args.idle_s,
-        "prompt_sets": {k: {"n": len(v), "tokens": [p.tokens for p in v], "words": [len(p.text.split()) for p in v]}
+        "prompt_sets": {k: {"n": len(v), "tokens": [p.tokens for p in v], "words": [p.words for p in v]}
                         for k, v in sets.items()},
         "workloads": [[w.prompt_set, w.concurrency] for w in workloads],
         "note": f"{args.max_tokens} output tokens, greedy, 1 run per workload",

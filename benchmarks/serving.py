@@ -26,10 +26,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loadgen import Prompt, run_batch, summarize
 from procstats import CpuMeter, total
 
 from pushsvc.launch import Proc, Stack, connector_config, free_port
+from pushsvc.loadgen.client import run_batch
+from pushsvc.loadgen.prompts import Prompt
+from pushsvc.loadgen.stats import summarize
 
 HERE = Path(__file__).resolve().parent
 NOPROG_DIR = HERE / "nixl_noprog"
@@ -38,6 +40,7 @@ WARMUP_TRIES = 3
 # prefix cache (on P, on D, or colocated) and measure no prefill and no transfer.
 VLLM_EXTRA = ("--no-enable-prefix-caching",)
 WARMUP_TIMEOUT_S = 60.0
+MAX_FAILURES = 3  # per workload; then its other requests are skipped
 
 
 class BenchStack(Stack):
@@ -291,7 +294,7 @@ def run_anchor(anchor: Anchor, model: str, workdir: Path, prompt_sets: dict[str,
                 t_start = time.time()
                 results, wall = run_batch(dep.url, model, prompts, max_tokens=max_tokens,
                                           concurrency=wl.concurrency, tag=f"{anchor.name}-{wl.prompt_set}-c{wl.concurrency}",
-                                          on_result=lambda r: bar.update(1))
+                                          on_result=lambda r: bar.update(1), max_failures=MAX_FAILURES)
                 used = CpuMeter.delta(s0, meter.snapshot())
                 timers = _timer_means(m0, _scrape(dep.metrics))
                 if anchor.name == "colocated":
