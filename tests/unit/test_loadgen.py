@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aiohttp import web
+from aiohttp import test_utils, web
 
 from pushsvc.loadgen import client, prompts, stats
 from pushsvc.loadgen.client import Result
@@ -87,16 +87,10 @@ async def sse_server(script: Script | None = None) -> AsyncIterator[SSEServer]:
     server = SSEServer(script or Script())
     app = web.Application()
     app.router.add_post("/v1/completions", server.completions)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    assert site._server is not None
-    server.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    try:
+    # aiohttp's test server cancels a handler whose client has gone, as vLLM aborts a request.
+    async with test_utils.TestServer(app, host="127.0.0.1") as http:
+        server.url = str(http.make_url("")).rstrip("/")
         yield server
-    finally:
-        await runner.cleanup()
 
 
 def _prompts(n: int) -> list[Prompt]:
