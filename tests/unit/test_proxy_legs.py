@@ -1,0 +1,73 @@
+"""The proxy's pure leg builders: both legs' bodies, the client's body and id, backend errors."""
+
+from __future__ import annotations
+
+import pytest
+from proxy_standins import COORDS
+
+from pushsvc.proxy import legs
+
+
+def test_prefill_body_for_completions() -> None:
+    client = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True,
+              "stream_options": {"include_usage": True}, "min_tokens": 5, "temperature": 0}
+    leg = legs.prefill_body(client, legs.COMPLETIONS)
+    assert leg == {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False, "temperature": 0,
+                   "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    assert client["max_tokens"] == 50 and "stream_options" in client  # not mutated
+
+
+def test_prefill_body_for_chat_caps_max_completion_tokens_too() -> None:
+    client = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 40}
+    leg = legs.prefill_body(client, legs.CHAT)
+    assert leg["max_tokens"] == 1 and leg["max_completion_tokens"] == 1 and leg["stream"] is False
+    assert leg["messages"] == client["messages"]
+    assert leg["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    # Only chat knows max_completion_tokens, and only a client that sent it gets it capped.
+    assert "max_completion_tokens" not in legs.prefill_body({"messages": []}, legs.CHAT)
+    completion = legs.prefill_body({"prompt": "x", "max_completion_tokens": 9}, legs.COMPLETIONS)
+    assert completion["max_completion_tokens"] == 9
+
+
+@pytest.mark.parametrize("endpoint", [legs.COMPLETIONS, legs.CHAT])
+def test_decode_body_keeps_the_client_body_and_names_p(endpoint: str) -> None:
+    client = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True,
+              "stream_options": {"include_usage": True}, "kv_transfer_params": {"bogus": 1}}
+    leg = legs.decode_body(client, COORDS, remote_tp_size=2)
+    assert {k: v for k, v in leg.items() if k != "kv_transfer_params"} == {
+        k: v for k, v in client.items() if k != "kv_transfer_params"}
+    assert leg["kv_transfer_params"] == {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-engine",
+        "remote_host": "10.0.0.1", "remote_port": 5600, "remote_tp_size": 2,
+    }
+    assert client["kv_transfer_params"] == {"bogus": 1}
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [(b"", "empty"), (b"{nope", "not valid JSON"), (b"[1, 2]", "JSON object"), (b'"text"', "JSON object")],
+)
+def test_parse_body_rejects_non_objects(raw: bytes, words: str) -> None:
+    with pytest.raises(legs.BadRequestBody, match=words):
+        legs.parse_body(raw)
+
+
+def test_request_id_passes_through_or_is_generated() -> None:
+    assert legs.request_id({"X-Request-Id": " abc "}) == "abc"
+    fresh = legs.request_id({})
+    assert len(fresh) == 32 and int(fresh, 16) >= 0 and fresh != legs.request_id({})
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (b'{"error": {"message": "too long", "type": "BadRequestError", "code": 400}}',
+         ("too long", "BadRequestError")),
+        (b'{"object": "error", "message": "old shape", "type": "X", "code": 400}', ("old shape", "X")),
+        (b'{"detail": "Not Found"}', ("Not Found", None)),
+        (b"Internal Server Error", ("Internal Server Error", None)),
+        (b"", ("(empty response body)", None)),
+    ],
+)
+def test_backend_error_message_shapes(raw: bytes, expected: tuple[str, str | None]) -> None:
+    assert legs.backend_error_message(raw) == expected
