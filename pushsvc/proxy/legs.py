@@ -4,6 +4,20 @@ Pure functions: no I/O, no clock. The prefill leg asks P to compute the prompt's
 keep it for a remote decoder (``do_remote_decode``); the decode leg asks D to receive that
 KV from P (``do_remote_prefill``) and names where P's daemon listens, so D's daemon can
 register its blocks with P while P computes (push mode).
+
+Both legs of one exchange carry one match key, ``transfer_id`` in ``kv_transfer_params``,
+minted per exchange by the proxy. The connectors hand it to their daemons and P's daemon
+pairs D's registration with P's blocks by it. It is not derived from the client's
+``X-Request-Id``: two clients (or one client retrying) may send the same id at once, and
+pairing by it could let D decode on the KV of another request's prompt.
+
+The client's own ``kv_transfer_params`` never reach a backend: each leg gets a dict built
+here, not the client's with ours merged in. Those keys steer the connectors:
+``transfer_id`` says whose KV D decodes on, ``remote_engine_id``/``remote_host``/
+``remote_port`` which daemon D registers its blocks with (so who WRITEs into D's memory),
+``do_remote_*`` which role a leg plays. A client that could set them could pair its decode
+with another client's prefill and read what that prompt's KV makes the model say, point
+D at a daemon of its choosing, or have P hold KV that no D will claim.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ CHAT = "chat_completions"
 PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
 
 REQUEST_ID_HEADER = "X-Request-Id"
+TRANSFER_ID = "transfer_id"  # the match key's name in both legs' kv_transfer_params
 
 
 class PrefillCoordinates(msgspec.Struct, frozen=True):
@@ -69,15 +84,23 @@ def is_stream(body: Mapping[str, Any]) -> bool:
 def request_id(headers: Mapping[str, str]) -> str:
     """The client's ``X-Request-Id`` if it sent one, else a fresh id.
 
-    Both legs carry the same id: vLLM derives its request ids from it, and P's daemon
-    pairs D's registration with P's blocks by that id.
+    Both legs carry it and vLLM derives its request ids from it; the daemons see those ids
+    (but pair P and D by the exchange's ``transfer_id``, not by them).
     """
     given = headers.get(REQUEST_ID_HEADER, "").strip()
     return given or uuid.uuid4().hex
 
 
-def prefill_body(body: Mapping[str, Any], endpoint: str) -> dict[str, Any]:
-    """P's request: the client's, cut to one token, not streamed, KV kept for D."""
+def mint_transfer_id() -> str:
+    """A fresh match key for one exchange: 32 hex digits, a valid ``MatchKey``."""
+    return uuid.uuid4().hex
+
+
+def prefill_body(body: Mapping[str, Any], endpoint: str, transfer_id: str) -> dict[str, Any]:
+    """P's request: the client's, cut to one token, not streamed, KV kept for D.
+
+    Its ``kv_transfer_params`` are ours alone (module docstring: why).
+    """
     leg = dict(body)
     leg["max_tokens"] = 1
     if endpoint == CHAT and "max_completion_tokens" in leg:
@@ -86,12 +109,17 @@ def prefill_body(body: Mapping[str, Any], endpoint: str) -> dict[str, Any]:
     leg.pop("min_tokens", None)
     leg["stream"] = False
     leg.pop("stream_options", None)
-    leg["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    leg["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, TRANSFER_ID: transfer_id}
     return leg
 
 
-def decode_body(body: Mapping[str, Any], prefill: PrefillCoordinates, remote_tp_size: int) -> dict[str, Any]:
-    """D's request: the client's unchanged, plus where P's KV comes from."""
+def decode_body(
+    body: Mapping[str, Any], prefill: PrefillCoordinates, remote_tp_size: int, transfer_id: str
+) -> dict[str, Any]:
+    """D's request: the client's unchanged, plus where P's KV comes from.
+
+    Its ``kv_transfer_params`` are ours alone (module docstring: why).
+    """
     leg = dict(body)
     leg["kv_transfer_params"] = {
         "do_remote_prefill": True,
@@ -100,6 +128,7 @@ def decode_body(body: Mapping[str, Any], prefill: PrefillCoordinates, remote_tp_
         "remote_host": prefill.side_channel_host,
         "remote_port": prefill.side_channel_port,
         "remote_tp_size": remote_tp_size,
+        TRANSFER_ID: transfer_id,
     }
     return leg
 

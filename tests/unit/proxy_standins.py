@@ -40,6 +40,11 @@ class Received:
 Gate = Callable[["StandIn", dict[str, Any]], Awaitable[None]]
 
 
+def transfer_id_of(body: dict[str, Any]) -> str:
+    """The match key a leg's body carries ("" if none)."""
+    return str((body.get("kv_transfer_params") or {}).get("transfer_id", ""))
+
+
 async def hang(standin: StandIn, body: dict[str, Any]) -> None:
     await asyncio.Event().wait()  # until the proxy closes the connection
 
@@ -63,7 +68,7 @@ class StandIn:
     got_request: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     url: str = ""
-    on_answer: Callable[[str], None] | None = None
+    on_answer: Callable[[dict[str, Any]], None] | None = None  # called with the body answered
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -95,7 +100,7 @@ class StandIn:
                 err = {"error": {"message": self.error_message, "type": "BackendError", "code": self.status}}
                 return web.json_response(err, status=self.status)
             if self.on_answer is not None:  # only a successful P has KV to give
-                self.on_answer(request.headers.get("X-Request-Id", ""))
+                self.on_answer(body)
             if body.get("stream"):
                 return await self._stream(request)
             if request.path.endswith("chat/completions"):
@@ -189,16 +194,17 @@ class Cluster:
 async def cluster(n_prefill: int = 1, n_decode: int = 1, prefill_urls: list[str] | None = None,
                   **config: Any) -> AsyncIterator[Cluster]:
     """P, P-daemon and D stand-ins plus a proxy in front. D answers a request only after the
-    P that got the same request id has answered successfully, as a real D waits for P's KV."""
+    P that got the same match key has answered successfully, as a real D waits for the KV
+    its daemon is paired with by that key."""
     p_done: dict[str, asyncio.Event] = {}
 
-    def done(rid: str) -> asyncio.Event:
-        return p_done.setdefault(rid, asyncio.Event())
+    def done(key: str) -> asyncio.Event:
+        return p_done.setdefault(key, asyncio.Event())
 
     async def after_p(standin: StandIn, body: dict[str, Any]) -> None:
-        await asyncio.wait_for(done(standin.received[-1].headers["X-Request-Id"]).wait(), WAIT_S)
+        await asyncio.wait_for(done(transfer_id_of(body)).wait(), WAIT_S)
 
-    prefill = [StandIn(f"p{i}", on_answer=lambda rid: done(rid).set()) for i in range(n_prefill)]
+    prefill = [StandIn(f"p{i}", on_answer=lambda body: done(transfer_id_of(body)).set()) for i in range(n_prefill)]
     daemons = [StandIn(f"pd{i}", engine_id=f"engine-p{i}") for i in range(n_prefill)]
     decode = [StandIn(f"d{i}", gate=after_p) for i in range(n_decode)]
     async with _serving_all([*prefill, *daemons, *decode]):

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from proxy_standins import CHAT, COMPLETION, WAIT_S, StandIn, cluster, outstanding, wait_until
+from proxy_standins import CHAT, COMPLETION, WAIT_S, StandIn, cluster, outstanding, transfer_id_of, wait_until
 
 from pushsvc.proxy import legs
 
@@ -26,10 +26,12 @@ async def test_non_streaming_passthrough_and_both_leg_bodies(path: str, body: di
         assert p_got.path == d_got.path == path
         assert p_got.headers["X-Request-Id"] == d_got.headers["X-Request-Id"] == "client-id-1"
         endpoint = legs.COMPLETIONS if key == "text" else legs.CHAT
-        assert p_got.body == legs.prefill_body(body, endpoint)
+        match_key = transfer_id_of(p_got.body)
+        assert len(match_key) == 32
+        assert p_got.body == legs.prefill_body(body, endpoint, match_key)
         assert d_got.body == {**body, "kv_transfer_params": {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "engine-p0",
-            "remote_host": "127.0.0.9", "remote_port": 5600, "remote_tp_size": 1}}
+            "remote_host": "127.0.0.9", "remote_port": 5600, "remote_tp_size": 1, "transfer_id": match_key}}
         await wait_until(lambda: outstanding(c) == [0, 0])
 
 

@@ -11,21 +11,22 @@ from pushsvc.proxy import legs
 def test_prefill_body_for_completions() -> None:
     client = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True,
               "stream_options": {"include_usage": True}, "min_tokens": 5, "temperature": 0}
-    leg = legs.prefill_body(client, legs.COMPLETIONS)
+    leg = legs.prefill_body(client, legs.COMPLETIONS, "key-1")
     assert leg == {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False, "temperature": 0,
-                   "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+                   "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                          "transfer_id": "key-1"}}
     assert client["max_tokens"] == 50 and "stream_options" in client  # not mutated
 
 
 def test_prefill_body_for_chat_caps_max_completion_tokens_too() -> None:
     client = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 40}
-    leg = legs.prefill_body(client, legs.CHAT)
+    leg = legs.prefill_body(client, legs.CHAT, "key-1")
     assert leg["max_tokens"] == 1 and leg["max_completion_tokens"] == 1 and leg["stream"] is False
     assert leg["messages"] == client["messages"]
-    assert leg["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert leg["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "key-1"}
     # Only chat knows max_completion_tokens, and only a client that sent it gets it capped.
-    assert "max_completion_tokens" not in legs.prefill_body({"messages": []}, legs.CHAT)
-    completion = legs.prefill_body({"prompt": "x", "max_completion_tokens": 9}, legs.COMPLETIONS)
+    assert "max_completion_tokens" not in legs.prefill_body({"messages": []}, legs.CHAT, "key-1")
+    completion = legs.prefill_body({"prompt": "x", "max_completion_tokens": 9}, legs.COMPLETIONS, "key-1")
     assert completion["max_completion_tokens"] == 9
 
 
@@ -33,14 +34,34 @@ def test_prefill_body_for_chat_caps_max_completion_tokens_too() -> None:
 def test_decode_body_keeps_the_client_body_and_names_p(endpoint: str) -> None:
     client = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True,
               "stream_options": {"include_usage": True}, "kv_transfer_params": {"bogus": 1}}
-    leg = legs.decode_body(client, COORDS, remote_tp_size=2)
+    leg = legs.decode_body(client, COORDS, remote_tp_size=2, transfer_id="key-1")
     assert {k: v for k, v in leg.items() if k != "kv_transfer_params"} == {
         k: v for k, v in client.items() if k != "kv_transfer_params"}
     assert leg["kv_transfer_params"] == {
         "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-engine",
-        "remote_host": "10.0.0.1", "remote_port": 5600, "remote_tp_size": 2,
+        "remote_host": "10.0.0.1", "remote_port": 5600, "remote_tp_size": 2, "transfer_id": "key-1",
     }
     assert client["kv_transfer_params"] == {"bogus": 1}
+
+
+# What a client might try to steer: another exchange's key, a daemon of its own, the roles.
+INJECTED = {"transfer_id": "someone-elses-key", "remote_engine_id": "evil-engine", "remote_host": "203.0.113.9",
+            "remote_port": 1, "remote_tp_size": 8, "do_remote_prefill": True, "do_remote_decode": True,
+            "remote_block_ids": [1, 2], "extra": "x"}
+
+
+@pytest.mark.parametrize("endpoint", [legs.COMPLETIONS, legs.CHAT])
+def test_client_kv_transfer_params_reach_neither_leg(endpoint: str) -> None:
+    client = {"model": "m", "prompt": "hi", "max_tokens": 5, "kv_transfer_params": dict(INJECTED)}
+    prefill = legs.prefill_body(client, endpoint, "minted")
+    decode = legs.decode_body(client, COORDS, remote_tp_size=1, transfer_id="minted")
+    assert prefill["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                             "transfer_id": "minted"}
+    assert decode["kv_transfer_params"] == {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-engine",
+        "remote_host": "10.0.0.1", "remote_port": 5600, "remote_tp_size": 1, "transfer_id": "minted",
+    }
+    assert client["kv_transfer_params"] == INJECTED  # not mutated either
 
 
 @pytest.mark.parametrize(
