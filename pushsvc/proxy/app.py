@@ -175,7 +175,10 @@ class Proxy:
 
     async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         started = time.monotonic()
-        request_id = legs.request_id(request.headers)
+        try:
+            request_id = legs.request_id(request.headers)
+        except legs.BadRequestId as exc:
+            return self._refuse_request_id(request, endpoint, exc)
         try:
             body = legs.parse_body(await request.read())
         except legs.BadRequestBody as exc:
@@ -314,6 +317,16 @@ class Proxy:
             return out
         finally:
             upstream.close()
+
+    def _refuse_request_id(self, request: web.Request, endpoint: str, exc: legs.BadRequestId) -> web.Response:
+        # Refused before any backend sees it: an id longer than the daemons take got no
+        # answer at all (not an error) once it had reached them.
+        self.metrics.request_id_refused.labels(exc.reason).inc()
+        given = request.headers.get(legs.REQUEST_ID_HEADER, "").strip()
+        _log.info("request_id_refused", endpoint=endpoint, reason=exc.reason, length=len(given),
+                  head=given[:48].encode("ascii", "backslashreplace").decode("ascii"))
+        # No X-Request-Id on this answer: the client's may not even be sendable back.
+        return error_response(400, str(exc), "invalid_request_error")
 
     def _fail(self, ex: Exchange, err: UpstreamError) -> web.Response:
         # Even when D failed: a D that cannot reach P's daemon may have stale coordinates.

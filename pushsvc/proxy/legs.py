@@ -35,6 +35,18 @@ PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
 REQUEST_ID_HEADER = "X-Request-Id"
 TRANSFER_ID = "transfer_id"  # the match key's name in both legs' kv_transfer_params
 
+# The longest X-Request-Id the proxy forwards. The daemons refuse a request id over 256
+# characters (``RequestId``, pushsvc/protocol/worker.py), and the id they get is vLLM's,
+# built from ours (docs/vllm-connector-notes.md, section 5): ``cmpl-<id>-<prompt index>-<8 hex>``
+# for completions, 15 characters more plus the index's digits, and ``chatcmpl-<id>-<8 hex>``
+# for chat, 18 more (plus ``_<index>`` for several prompts). 200 leaves 56: room for either,
+# for a batch of any size, and for a longer prefix in a later vLLM.
+MAX_REQUEST_ID = 200
+# What a refused X-Request-Id is counted as (``pushsvc_proxy_request_id_refused_total``).
+TOO_LONG = "too_long"
+NOT_PRINTABLE_ASCII = "not_printable_ascii"
+REQUEST_ID_REFUSALS = (TOO_LONG, NOT_PRINTABLE_ASCII)
+
 
 class PrefillCoordinates(msgspec.Struct, frozen=True):
     """Where D's daemon finds P's: the keys of a P daemon's ``GET /v1/info`` we use."""
@@ -55,6 +67,15 @@ class PrefillCoordinates(msgspec.Struct, frozen=True):
 
 class BadRequestBody(ValueError):
     """The client's body is not a JSON object."""
+
+
+class BadRequestId(ValueError):
+    """The client's ``X-Request-Id`` is one the proxy does not forward; ``reason`` is one of
+    ``REQUEST_ID_REFUSALS``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 _decoder = msgspec.json.Decoder()
@@ -82,13 +103,29 @@ def is_stream(body: Mapping[str, Any]) -> bool:
 
 
 def request_id(headers: Mapping[str, str]) -> str:
-    """The client's ``X-Request-Id`` if it sent one, else a fresh id.
+    """The client's ``X-Request-Id`` (without surrounding whitespace) if it sent one, else a
+    fresh id. BadRequestId for one the proxy does not forward.
 
     Both legs carry it and vLLM derives its request ids from it; the daemons see those ids
-    (but pair P and D by the exchange's ``transfer_id``, not by them).
+    (but pair P and D by the exchange's ``transfer_id``, not by them). The rule: at most
+    ``MAX_REQUEST_ID`` characters, each printable ASCII (0x20-0x7E). vLLM itself takes any
+    header value, but beyond ASCII the bytes are not one string across the system: aiohttp
+    (this proxy) decodes a header as UTF-8 (bytes that are not UTF-8 as lone surrogates, which
+    cannot be sent on), Starlette (vLLM) as Latin-1, so an ``é`` is one character here and two
+    in vLLM and the daemons, and the length checked here would not be the one they check.
+    Control characters have no place in an id nor in the log lines that carry it.
     """
     given = headers.get(REQUEST_ID_HEADER, "").strip()
-    return given or uuid.uuid4().hex
+    if not given:
+        return uuid.uuid4().hex
+    if len(given) > MAX_REQUEST_ID:
+        raise BadRequestId(TOO_LONG, f"{REQUEST_ID_HEADER} is {len(given)} characters long; "
+                                     f"at most {MAX_REQUEST_ID} are allowed")
+    for i, ch in enumerate(given):
+        if not " " <= ch <= "~":
+            raise BadRequestId(NOT_PRINTABLE_ASCII, f"{REQUEST_ID_HEADER} must be printable ASCII "
+                                                    f"(0x20-0x7E); character {i + 1} is {ascii(ch)}")
+    return given
 
 
 def mint_transfer_id() -> str:

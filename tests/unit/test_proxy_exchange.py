@@ -36,15 +36,6 @@ async def test_non_streaming_passthrough_and_both_leg_bodies(path: str, body: di
 
 
 @pytest.mark.asyncio
-async def test_request_id_is_generated_when_the_client_sends_none() -> None:
-    async with cluster() as c:
-        status, headers, _ = await c.post("/v1/completions", COMPLETION)
-        rid = headers["X-Request-Id"]
-        assert status == 200 and len(rid) == 32
-        assert c.p.received[0].headers["X-Request-Id"] == c.d.received[0].headers["X-Request-Id"] == rid
-
-
-@pytest.mark.asyncio
 async def test_both_legs_are_sent_concurrently() -> None:
     async with cluster() as c:
         async def wait_for_d(standin: StandIn, body: dict[str, Any]) -> None:

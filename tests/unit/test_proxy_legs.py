@@ -1,4 +1,4 @@
-"""The proxy's pure leg builders: both legs' bodies, the client's body and id, backend errors."""
+"""The proxy's pure leg builders: both legs' bodies, the client's body, backend errors."""
 
 from __future__ import annotations
 
@@ -71,12 +71,6 @@ def test_client_kv_transfer_params_reach_neither_leg(endpoint: str) -> None:
 def test_parse_body_rejects_non_objects(raw: bytes, words: str) -> None:
     with pytest.raises(legs.BadRequestBody, match=words):
         legs.parse_body(raw)
-
-
-def test_request_id_passes_through_or_is_generated() -> None:
-    assert legs.request_id({"X-Request-Id": " abc "}) == "abc"
-    fresh = legs.request_id({})
-    assert len(fresh) == 32 and int(fresh, 16) >= 0 and fresh != legs.request_id({})
 
 
 @pytest.mark.parametrize(
