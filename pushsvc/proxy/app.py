@@ -60,6 +60,7 @@ class Exchange:
     """One client request and the two backends serving it."""
 
     request_id: str
+    transfer_id: str  # the match key both legs carry; unique per exchange, unlike request_id
     endpoint: str
     body: dict[str, Any]
     prefill: Backend
@@ -174,15 +175,19 @@ class Proxy:
 
     async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         started = time.monotonic()
-        request_id = legs.request_id(request.headers)
+        try:
+            request_id = legs.request_id(request.headers)
+        except legs.BadRequestId as exc:
+            return self._refuse_request_id(request, endpoint, exc)
         try:
             body = legs.parse_body(await request.read())
         except legs.BadRequestBody as exc:
             return error_response(400, str(exc), "invalid_request_error", request_id)
         headers = {legs.REQUEST_ID_HEADER: request_id, hdrs.CONTENT_TYPE: "application/json", **_auth(request)}
+        transfer_id = legs.mint_transfer_id()
         prefill, decode = self.prefill.pick(), self.decode.pick()
-        log = _log.bind(request_id=request_id, endpoint=endpoint)
-        ex = Exchange(request_id, endpoint, body, prefill, decode, headers, log, started)
+        log = _log.bind(request_id=request_id, transfer_id=transfer_id, endpoint=endpoint)
+        ex = Exchange(request_id, transfer_id, endpoint, body, prefill, decode, headers, log, started)
         status = 499  # unless a response is returned below: the client left
         try:
             response = await self._exchange(request, ex)
@@ -232,7 +237,7 @@ class Proxy:
 
     async def _prefill_leg(self, ex: Exchange) -> None:
         backend = ex.prefill
-        data = legs.encode_body(legs.prefill_body(ex.body, ex.endpoint))
+        data = legs.encode_body(legs.prefill_body(ex.body, ex.endpoint, ex.transfer_id))
         try:
             async with self.session.post(
                 backend.url + legs.PATHS[ex.endpoint], data=data, headers=ex.headers,
@@ -253,7 +258,7 @@ class Proxy:
     async def _decode_leg(self, ex: Exchange, coords: PrefillCoordinates) -> Streaming | Completed:
         backend = ex.decode
         stream = legs.is_stream(ex.body)
-        data = legs.encode_body(legs.decode_body(ex.body, coords, self.config.remote_tp_size))
+        data = legs.encode_body(legs.decode_body(ex.body, coords, self.config.remote_tp_size, ex.transfer_id))
         response: aiohttp.ClientResponse | None = None
         try:
             response = await self.session.post(
@@ -312,6 +317,16 @@ class Proxy:
             return out
         finally:
             upstream.close()
+
+    def _refuse_request_id(self, request: web.Request, endpoint: str, exc: legs.BadRequestId) -> web.Response:
+        # Refused before any backend sees it: an id longer than the daemons take got no
+        # answer at all (not an error) once it had reached them.
+        self.metrics.request_id_refused.labels(exc.reason).inc()
+        given = request.headers.get(legs.REQUEST_ID_HEADER, "").strip()
+        _log.info("request_id_refused", endpoint=endpoint, reason=exc.reason, length=len(given),
+                  head=given[:48].encode("ascii", "backslashreplace").decode("ascii"))
+        # No X-Request-Id on this answer: the client's may not even be sendable back.
+        return error_response(400, str(exc), "invalid_request_error")
 
     def _fail(self, ex: Exchange, err: UpstreamError) -> web.Response:
         # Even when D failed: a D that cannot reach P's daemon may have stale coordinates.

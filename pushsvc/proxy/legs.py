@@ -4,6 +4,20 @@ Pure functions: no I/O, no clock. The prefill leg asks P to compute the prompt's
 keep it for a remote decoder (``do_remote_decode``); the decode leg asks D to receive that
 KV from P (``do_remote_prefill``) and names where P's daemon listens, so D's daemon can
 register its blocks with P while P computes (push mode).
+
+Both legs of one exchange carry one match key, ``transfer_id`` in ``kv_transfer_params``,
+minted per exchange by the proxy. The connectors hand it to their daemons and P's daemon
+pairs D's registration with P's blocks by it. It is not derived from the client's
+``X-Request-Id``: two clients (or one client retrying) may send the same id at once, and
+pairing by it could let D decode on the KV of another request's prompt.
+
+The client's own ``kv_transfer_params`` never reach a backend: each leg gets a dict built
+here, not the client's with ours merged in. Those keys steer the connectors:
+``transfer_id`` says whose KV D decodes on, ``remote_engine_id``/``remote_host``/
+``remote_port`` which daemon D registers its blocks with (so who WRITEs into D's memory),
+``do_remote_*`` which role a leg plays. A client that could set them could pair its decode
+with another client's prefill and read what that prompt's KV makes the model say, point
+D at a daemon of its choosing, or have P hold KV that no D will claim.
 """
 
 from __future__ import annotations
@@ -19,6 +33,19 @@ CHAT = "chat_completions"
 PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
 
 REQUEST_ID_HEADER = "X-Request-Id"
+TRANSFER_ID = "transfer_id"  # the match key's name in both legs' kv_transfer_params
+
+# The longest X-Request-Id the proxy forwards. The daemons refuse a request id over 256
+# characters (``RequestId``, pushsvc/protocol/worker.py), and the id they get is vLLM's,
+# built from ours (docs/vllm-connector-notes.md, section 5): ``cmpl-<id>-<prompt index>-<8 hex>``
+# for completions, 15 characters more plus the index's digits, and ``chatcmpl-<id>-<8 hex>``
+# for chat, 18 more (plus ``_<index>`` for several prompts). 200 leaves 56: room for either,
+# for a batch of any size, and for a longer prefix in a later vLLM.
+MAX_REQUEST_ID = 200
+# What a refused X-Request-Id is counted as (``pushsvc_proxy_request_id_refused_total``).
+TOO_LONG = "too_long"
+NOT_PRINTABLE_ASCII = "not_printable_ascii"
+REQUEST_ID_REFUSALS = (TOO_LONG, NOT_PRINTABLE_ASCII)
 
 
 class PrefillCoordinates(msgspec.Struct, frozen=True):
@@ -40,6 +67,15 @@ class PrefillCoordinates(msgspec.Struct, frozen=True):
 
 class BadRequestBody(ValueError):
     """The client's body is not a JSON object."""
+
+
+class BadRequestId(ValueError):
+    """The client's ``X-Request-Id`` is one the proxy does not forward; ``reason`` is one of
+    ``REQUEST_ID_REFUSALS``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 _decoder = msgspec.json.Decoder()
@@ -67,17 +103,41 @@ def is_stream(body: Mapping[str, Any]) -> bool:
 
 
 def request_id(headers: Mapping[str, str]) -> str:
-    """The client's ``X-Request-Id`` if it sent one, else a fresh id.
+    """The client's ``X-Request-Id`` (without surrounding whitespace) if it sent one, else a
+    fresh id. BadRequestId for one the proxy does not forward.
 
-    Both legs carry the same id: vLLM derives its request ids from it, and P's daemon
-    pairs D's registration with P's blocks by that id.
+    Both legs carry it and vLLM derives its request ids from it; the daemons see those ids
+    (but pair P and D by the exchange's ``transfer_id``, not by them). The rule: at most
+    ``MAX_REQUEST_ID`` characters, each printable ASCII (0x20-0x7E). vLLM itself takes any
+    header value, but beyond ASCII the bytes are not one string across the system: aiohttp
+    (this proxy) decodes a header as UTF-8 (bytes that are not UTF-8 as lone surrogates, which
+    cannot be sent on), Starlette (vLLM) as Latin-1, so an ``é`` is one character here and two
+    in vLLM and the daemons, and the length checked here would not be the one they check.
+    Control characters have no place in an id nor in the log lines that carry it.
     """
     given = headers.get(REQUEST_ID_HEADER, "").strip()
-    return given or uuid.uuid4().hex
+    if not given:
+        return uuid.uuid4().hex
+    if len(given) > MAX_REQUEST_ID:
+        raise BadRequestId(TOO_LONG, f"{REQUEST_ID_HEADER} is {len(given)} characters long; "
+                                     f"at most {MAX_REQUEST_ID} are allowed")
+    for i, ch in enumerate(given):
+        if not " " <= ch <= "~":
+            raise BadRequestId(NOT_PRINTABLE_ASCII, f"{REQUEST_ID_HEADER} must be printable ASCII "
+                                                    f"(0x20-0x7E); character {i + 1} is {ascii(ch)}")
+    return given
 
 
-def prefill_body(body: Mapping[str, Any], endpoint: str) -> dict[str, Any]:
-    """P's request: the client's, cut to one token, not streamed, KV kept for D."""
+def mint_transfer_id() -> str:
+    """A fresh match key for one exchange: 32 hex digits, a valid ``MatchKey``."""
+    return uuid.uuid4().hex
+
+
+def prefill_body(body: Mapping[str, Any], endpoint: str, transfer_id: str) -> dict[str, Any]:
+    """P's request: the client's, cut to one token, not streamed, KV kept for D.
+
+    Its ``kv_transfer_params`` are ours alone (module docstring: why).
+    """
     leg = dict(body)
     leg["max_tokens"] = 1
     if endpoint == CHAT and "max_completion_tokens" in leg:
@@ -86,12 +146,17 @@ def prefill_body(body: Mapping[str, Any], endpoint: str) -> dict[str, Any]:
     leg.pop("min_tokens", None)
     leg["stream"] = False
     leg.pop("stream_options", None)
-    leg["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    leg["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, TRANSFER_ID: transfer_id}
     return leg
 
 
-def decode_body(body: Mapping[str, Any], prefill: PrefillCoordinates, remote_tp_size: int) -> dict[str, Any]:
-    """D's request: the client's unchanged, plus where P's KV comes from."""
+def decode_body(
+    body: Mapping[str, Any], prefill: PrefillCoordinates, remote_tp_size: int, transfer_id: str
+) -> dict[str, Any]:
+    """D's request: the client's unchanged, plus where P's KV comes from.
+
+    Its ``kv_transfer_params`` are ours alone (module docstring: why).
+    """
     leg = dict(body)
     leg["kv_transfer_params"] = {
         "do_remote_prefill": True,
@@ -100,6 +165,7 @@ def decode_body(body: Mapping[str, Any], prefill: PrefillCoordinates, remote_tp_
         "remote_host": prefill.side_channel_host,
         "remote_port": prefill.side_channel_port,
         "remote_tp_size": remote_tp_size,
+        TRANSFER_ID: transfer_id,
     }
     return leg
 

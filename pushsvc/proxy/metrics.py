@@ -10,6 +10,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from pushsvc.proxy.legs import REQUEST_ID_REFUSALS
+
 # TTFT through P/D spans milliseconds (tiny models) to minutes (long prompts, busy P).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -31,6 +33,14 @@ class ProxyMetrics:
         for leg in ("prefill", "decode", "daemon", "models"):
             for kind in ("connect", "timeout", "status", "disconnect", "protocol"):
                 self.backend_errors.labels(leg, kind)
+        self.request_id_refused = Counter(
+            "pushsvc_proxy_request_id_refused",
+            "Client requests answered 400 for their X-Request-Id before any backend saw them, by reason "
+            "(too_long, not_printable_ascii)",
+            ["reason"], registry=r,
+        )
+        for reason in REQUEST_ID_REFUSALS:
+            self.request_id_refused.labels(reason)
         self.ttft_seconds = Histogram(
             "pushsvc_proxy_ttft_seconds", "Streamed requests: arrival to first decode chunk sent",
             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
