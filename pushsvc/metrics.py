@@ -43,7 +43,6 @@ class Metrics:
         self.rejected_connections = Counter(
             "pushsvc_rejected_connections", "Connections refused", ["listener", "reason"], registry=r
         )
-        self.table_entries = Gauge("pushsvc_table_entries", "Matching-table sizes", ["table"], registry=r)
         self.worker_connections = Gauge("pushsvc_worker_connections", "Connected workers", registry=r)
         self.peers = Gauge("pushsvc_peers", "Peer daemons with a live session", registry=r)
         self.agents = Gauge("pushsvc_agents", "Local NIXL agents", registry=r)
@@ -54,25 +53,35 @@ class Metrics:
             ["result"], registry=r)
         self.verified_blocks = Counter("pushsvc_verify_blocks", "Blocks checked on D, by result", ["result"], registry=r)
         self.notifications = Counter("pushsvc_notifications", "NIXL notifications by kind", ["kind"], registry=r)
+        self.events_dropped = Counter(
+            "pushsvc_worker_events_dropped", "Worker events with no connection left to receive them, by type",
+            ["type"], registry=r)
         # process_open_fds, process_resident_memory_bytes, ...: leak checks read them.
         ProcessCollector(registry=r)
 
     def watch_nixl_handles(self, source: Callable[[], dict[str, int]]) -> None:
         """Export ``pushsvc_nixl_handles{kind}``, read from ``source`` at every scrape."""
-        self.registry.register(_HandleCollector(source))
+        self.registry.register(_GaugesCollector(
+            "pushsvc_nixl_handles", "Live NIXL handles by kind (registrations, dlists, xfers, remote_agents)",
+            "kind", source))
+
+    def watch_tables(self, source: Callable[[], dict[str, int]]) -> None:
+        """Export ``pushsvc_table_entries{table}``, read from ``source`` once per scrape
+        (tables change in many places; a gauge set eagerly went stale)."""
+        self.registry.register(_GaugesCollector("pushsvc_table_entries", "Matching-table sizes", "table", source))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _HandleCollector(Collector):
-    def __init__(self, source: Callable[[], dict[str, int]]) -> None:
-        self._source = source
+class _GaugesCollector(Collector):
+    """One labelled gauge family whose values ``source`` gives at scrape time."""
+
+    def __init__(self, name: str, doc: str, label: str, source: Callable[[], dict[str, int]]) -> None:
+        self._name, self._doc, self._label, self._source = name, doc, label, source
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "pushsvc_nixl_handles", "Live NIXL handles by kind (registrations, dlists, xfers, remote_agents)",
-            labels=["kind"])
-        for kind, n in self._source().items():
-            family.add_metric([kind], n)
+        family = GaugeMetricFamily(self._name, self._doc, labels=[self._label])
+        for key, n in self._source().items():
+            family.add_metric([key], n)
         yield family

@@ -9,6 +9,7 @@ NIXL: a WRITE from a peer lands directly in the worker's KV cache, no copy.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 
@@ -38,9 +39,8 @@ class SharedBuffer:
 
     @classmethod
     def create(cls, size: int, name: str = "pushsvc-kv") -> SharedBuffer:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd = new_memfd(name, _round_up(size))
         try:
-            os.ftruncate(fd, _round_up(size))
             return cls(fd, size, map_fd(fd, _round_up(size)))
         except BaseException:
             os.close(fd)
@@ -70,6 +70,19 @@ class SharedBuffer:
         return f"<SharedBuffer fd={self.fd} size={self.size} addr={self.address:#x}>"
 
 
+def new_memfd(name: str, size: int) -> int:
+    """A memfd of ``size`` bytes sealed against shrinking: a daemon that maps it can
+    never be made to fault (SIGBUS) by a truncation, so it maps only memfds so sealed."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def map_fd(fd: int, size: int, address: int = 0) -> int:
     flags = mmap.MAP_SHARED | (0x10 if address else 0)  # MAP_FIXED
     addr = _libc.mmap(address or None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
@@ -89,9 +102,8 @@ def rebind_pages(address: int, size: int, name: str = "pushsvc-kv") -> SharedBuf
     if address % PAGE:
         raise ValueError(f"address {address:#x} is not page aligned")
     length = _round_up(size)
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    fd = new_memfd(name, length)
     try:
-        os.ftruncate(fd, length)
         tmp = map_fd(fd, length)
         ctypes.memmove(tmp, address, size)
         _libc.munmap(tmp, length)

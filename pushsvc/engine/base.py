@@ -8,9 +8,13 @@ implementations need no locking. Failures raise ``TransferError``.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
+
+# Opaque handles an agent hands out and takes back; nothing else looks inside them.
+DListHandle = object
+XferHandle = object
 
 
 class XferState(Enum):
@@ -33,21 +37,21 @@ class Agent(Protocol):
 
     def remove_remote(self, name: str) -> None: ...
 
-    def prep_local(self, descs: np.ndarray, mem_type: str) -> Any:
+    def prep_local(self, descs: np.ndarray, mem_type: str) -> DListHandle:
         """Prepare the local descriptor list (Nx3 address/length/device)."""
 
-    def prep_remote(self, remote: str, descs: np.ndarray, mem_type: str) -> Any: ...
+    def prep_remote(self, remote: str, descs: np.ndarray, mem_type: str) -> DListHandle: ...
 
-    def release_dlist(self, handle: Any) -> None: ...
+    def release_dlist(self, handle: DListHandle) -> None: ...
 
     def write(
-        self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes
-    ) -> tuple[Any, XferState]:
+        self, local: DListHandle, local_idx: np.ndarray, remote: DListHandle, remote_idx: np.ndarray, notif: bytes
+    ) -> tuple[XferHandle, XferState]:
         """Create and post a WRITE carrying ``notif``; returns the handle and its first state."""
 
-    def state(self, xfer: Any) -> XferState: ...
+    def state(self, xfer: XferHandle) -> XferState: ...
 
-    def release(self, xfer: Any) -> None: ...
+    def release(self, xfer: XferHandle) -> None: ...
 
     def send_notif(self, remote: str, payload: bytes) -> None: ...
 

@@ -18,7 +18,7 @@ import msgspec
 
 from pushsvc.errors import ProtocolError
 from pushsvc.protocol.framing import DECODE_ERRORS
-from pushsvc.protocol.worker import BlockIds, Name, Port, RequestId
+from pushsvc.protocol.worker import BlockIds, MatchKey, Name, Port, RequestId
 
 PUSH_REG_PREFIX = b"PUSH_REG:"
 # A request id is at most 256 characters, so at most 1024 UTF-8 bytes, plus ":<tp>".
@@ -28,7 +28,7 @@ MAX_NOTIF_BYTES = 4 << 20
 _TP = Annotated[int, msgspec.Meta(ge=1, le=1024)]
 
 
-class PushReg(msgspec.Struct, forbid_unknown_fields=True):
+class PushReg(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """The seed's PUSH_REG fields. New fields go at the end with defaults."""
 
     request_id: RequestId
@@ -44,6 +44,9 @@ class PushReg(msgspec.Struct, forbid_unknown_fields=True):
     # Extensions (absent from seed-format senders).
     decode_rank: Annotated[int, msgspec.Meta(ge=0, le=1023)] = 0
     decode_daemon_id: Name = ""
+    # Side channel 1.2: the exchange's match key. Encoded only when set (omit_defaults),
+    # which D does only for a P whose side-channel minor says it knows the field.
+    match_key: MatchKey = ""
 
 
 _encoder = msgspec.msgpack.Encoder()

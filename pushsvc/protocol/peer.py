@@ -22,8 +22,9 @@ from pushsvc.protocol.worker import U32, U64, Name, Text
 
 MAGIC = b"PSVP"
 MAJOR = 1
-MINOR = 1  # 1.1: AuthChallenge, AuthProof (sent only with a secret configured)
+MINOR = 2  # 1.1: AuthChallenge, AuthProof (sent only with a secret); 1.2: PushReg.match_key
 AUTH_MINOR = 1
+MATCH_KEY_MINOR = 2  # a D daemon sets PushReg.match_key only for a P at this minor or later
 
 _opts = dict(forbid_unknown_fields=True, omit_defaults=True, tag_field="t")
 

@@ -104,22 +104,22 @@ class Daemon:
         self.stopped = True
         log.info("daemon_stopping", force=self.force_exit)
         self.workers.stop_listening()
+        self.service.draining = True  # new registrations and sends are refused from here
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout_s
-        while not self.force_exit and loop.time() < deadline and not self._drained():
+        while not self.force_exit and loop.time() < deadline and not self.service.drained():
             await asyncio.sleep(0.01)
-        if not self._drained():
+        if not self.service.drained():
             log.warning("drain_incomplete", tables=self.service.table_sizes())
-        self.workers.close()
         if self._progress_task is not None:
             self._progress_task.cancel()
             await asyncio.gather(self._progress_task, return_exceptions=True)
-        await self.health.close()
+        # Agents first, workers last: once the agents are closed nothing can land in the
+        # workers' memory, and only then do the workers hear how their requests ended.
         await self.service.close()
+        self.workers.close()
+        await self.health.close()
         log.info("daemon_stopped")
-
-    def _drained(self) -> bool:
-        return not self.service.writes_in_flight()
 
     async def serve(self, install_signals: bool = True) -> None:
         if install_signals:
@@ -149,11 +149,11 @@ class Daemon:
     # ------------------------------------------------------------------ health source
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        ranks = self.service.ranks.values()
+        ranks = self.service.ranks.current.values()
         checks = {
             "socket_listening": self.workers.listening,
             "side_channel": self.service.peers.port > 0,
-            "agents": len(self.service.ranks),
+            "agents": len(self.service.ranks.current),
             "agents_registered": sum(1 for r in ranks if r.ready),
         }
         ready = (self.started and not self.should_exit and checks["socket_listening"] and checks["side_channel"]
@@ -171,13 +171,14 @@ class Daemon:
             "health_port": self.health.port,
             "uptime_s": round(time.time() - self._started_at, 3),
             "agents": [
-                {"rank": r.rank, "tp_size": r.tp_size, "role": r.role, "agent": r.agent.name,
+                {"rank": r.number, "tp_size": r.tp_size, "role": r.role, "agent": r.agent.name,
                  "registered": r.ready, "worker_connected": r.conn is not None}
-                for r in self.service.ranks.values()
+                for r in self.service.ranks.current.values()
             ],
+            "retiring_agents": [r.agent.name for r in self.service.ranks.retiring],
             "peers": [
                 {"engine_id": p.engine_id, "daemon_id": p.daemon_id, "host": p.host, "port": p.port,
-                 "agents": sorted(p.agents)}
+                 "minor": p.minor, "authenticated": p.authenticated, "agents": sorted(p.agents)}
                 for p in self.service.peers.peers.values()
             ],
             "tables": self.service.table_sizes(),

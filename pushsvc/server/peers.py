@@ -1,23 +1,26 @@
-"""Daemon <-> daemon side channel: TCP sessions, handshakes, liveness.
+"""Daemon <-> daemon side channel: who the peers are, their sessions, their liveness.
 
-A session starts with the preamble exchange (``PSVP`` + version, checked before any
-message is decoded), then, with a shared secret configured, the authentication
-exchange (``_authenticate``), then both sides send a ``PeerHello`` with their NIXL
-agents and KV layouts. Sessions stay open: heartbeats prove liveness both ways, and P uses the
-session D opened to tell D at once when it cannot WRITE a registration.
+``PeerManager`` is the handshake cache and the registry of peer incarnations (a peer is
+one start of a remote daemon: a new ``daemon_id`` is a new incarnation). Concurrent
+callers of ``ensure`` for one address share one dial; a live session answers at once.
+Sessions stay open: heartbeats prove liveness both ways, and P uses the session D
+opened to tell D at once when it cannot WRITE a registration. Handshake details are in
+``handshake.py``, one connection's I/O in ``session.py``.
 
-``PeerManager.ensure`` is the handshake cache: concurrent callers for one address share
-one attempt; a live session answers at once; a peer that restarted (new ``daemon_id``
-under the same engine id) replaces the old one, whose agents are dropped.
+What a stranger can make it hold is bounded: concurrent handshakes and sessions, agents
+per peer, remembered departed agents and lost incarnations. Without authentication a
+hello proves nothing, so an unauthenticated newcomer cannot displace a live peer of the
+same engine id, and never makes a lost one count as dead.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import socket
 from collections import OrderedDict
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Protocol
 
 import msgspec
 import structlog
@@ -25,18 +28,27 @@ import structlog
 from pushsvc.errors import AuthError, HandshakeError, MalformedInput, ProtocolError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import peer as pp
-from pushsvc.protocol.peer_auth import PeerAuth, Role, new_nonce
-from pushsvc.protocol.framing import HEADER, PREAMBLE, CountingDecoder, check_preamble, encode_preamble, frame
+from pushsvc.protocol.framing import CountingDecoder
+from pushsvc.server.handshake import PeerIntro, handshake
+from pushsvc.server.session import Session
+from pushsvc.server.tasks import TaskSet
 
 log = structlog.get_logger("pushsvc.peers")
 
 # Agent names of departed peers remembered to refuse their late notifications; agent
 # names are never reused (they carry the daemon id and a generation), so this only
-# bounds memory.
+# bounds memory. Lost incarnations are remembered until they return or a new one does.
 _DEPARTED_KEPT = 4096
+_LOST_KEPT = 1024
+# Handshakes in progress at once, each way, and sessions held: far above what a
+# deployment needs (one or two sessions per peer daemon), low enough that a connect
+# flood costs a bounded amount of memory.
+MAX_HANDSHAKES = 64
+MAX_SESSIONS = 1024
+MAX_AGENTS_PER_PEER = 1024
 
 
-@dataclass
+@dataclass(eq=False)
 class Peer:
     """A remote daemon incarnation and what it told us."""
 
@@ -44,11 +56,13 @@ class Peer:
     engine_id: str
     host: str
     port: int
+    minor: int = 0  # its side-channel minor: which fields we may send it
+    authenticated: bool = False
     agents: dict[str, pp.AgentInfo] = field(default_factory=dict)  # by agent name
     sessions: set[Session] = field(default_factory=set)
     heartbeat_interval_s: float = 1.0
-    # Known dead: a new incarnation of its engine said hello. A peer that only went
-    # silent or closed its sessions may still have WRITEs on the way.
+    # Known dead: an authenticated new incarnation of its engine said hello. A peer that
+    # only went silent or closed its sessions may still have WRITEs on the way.
     gone: bool = False
 
     def agent_for_rank(self, rank: int) -> pp.AgentInfo | None:
@@ -62,94 +76,96 @@ class Peer:
         return bool(self.sessions)
 
     def __repr__(self) -> str:
-        return f"<Peer {self.engine_id} id={self.daemon_id[:8]} {self.host}:{self.port} agents={len(self.agents)} sessions={len(self.sessions)}>"
+        return (f"<Peer {self.engine_id} id={self.daemon_id[:8]} {self.host}:{self.port} 1.{self.minor} "
+                f"agents={len(self.agents)} sessions={len(self.sessions)}>")
 
 
-class Session:
-    """One TCP connection to a peer daemon, after a successful hello exchange."""
+class PeerEvents(Protocol):
+    """What the push service hears from the side channel. Every handler is required:
+    a misspelled one is an error, not a silent no-op."""
 
-    _ids = itertools.count(1)
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dialed: bool) -> None:
-        self.id = next(self._ids)
-        self.reader = reader
-        self.writer = writer
-        self.dialed = dialed
-        self.peer: Peer | None = None
-        self.task: asyncio.Task | None = None
-
-    def send(self, msg: msgspec.Struct) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(frame(pp.encode(msg)))
-
-    def close(self) -> None:
-        if not self.writer.is_closing():
-            self.writer.close()
-
-    def __repr__(self) -> str:
-        peer = self.peer.engine_id if self.peer else "?"
-        return f"<Session #{self.id} peer={peer} dialed={self.dialed}>"
-
-
-class PeerEvents:
-    """What the push service wants to hear about; the manager calls these."""
-
-    def peer_up(self, peer: Peer, new_agents: list[pp.AgentInfo]) -> None: ...
-    def peer_down(self, peer: Peer) -> None: ...
-    def peer_gone(self, peer: Peer) -> None:
-        """A peer lost earlier is known dead now (a new incarnation said hello)."""
+    def peer_up(self, peer: Peer) -> None:
+        """A session with this incarnation began (its first, or one after it was lost)."""
+    def agents_announced(self, peer: Peer, agents: list[pp.AgentInfo]) -> None:
+        """Agents the peer announced (in its hello or later), new or changed."""
+    def peer_down(self, peer: Peer) -> None:
+        """The peer's last session ended: lost, or (``peer.gone``) known dead."""
+    def peer_gone(self, peer: Peer) -> None: ...
     def push_failed(self, peer: Peer, msg: pp.PushFailed) -> None: ...
     def cancel_push(self, peer: Peer, msg: pp.CancelPush) -> None: ...
     def push_cancelled(self, peer: Peer, msg: pp.PushCancelled) -> None: ...
     def write_started(self, peer: Peer, msg: pp.WriteStarted) -> None: ...
 
 
+class PeerLink(Protocol):
+    """What the sending and receiving sides use of the side channel."""
+
+    @property
+    def port(self) -> int: ...
+    def find_agent(self, agent_name: str) -> Peer | None: ...
+    def find_engine(self, engine_id: str) -> Peer | None: ...
+    async def ensure(self, host: str, port: int, engine_id: str) -> Peer: ...
+    def send(self, peer: Peer, msg: msgspec.Struct) -> bool: ...
+    def departed(self, agent_name: str) -> bool: ...
+    def live_daemons(self) -> Container[str]: ...
+
+
+HostPolicy = Callable[[str, Sequence[str]], bool]
+
+
+def loopback_only(name: str, addresses: Sequence[str]) -> bool:
+    return bool(addresses) and all(a.startswith("127.") or a == "::1" for a in addresses)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSettings:
+    max_frame: int
+    handshake_timeout_s: float
+    heartbeat_interval_s: float
+    peer_timeout_s: float
+
+
 class PeerManager:
-    def __init__(
-        self,
-        *,
-        daemon_id: str,
-        engine_id: str,
-        advertised_host: str,
-        local_agents: Callable[[], list[pp.AgentInfo]],
-        events: PeerEvents,
-        metrics: Metrics,
-        max_frame: int,
-        handshake_timeout_s: float,
-        heartbeat_interval_s: float,
-        peer_timeout_s: float,
-        secret: bytes | None = None,
-    ) -> None:
+    def __init__(self, *, daemon_id: str, engine_id: str, advertised_host: str,
+                 local_agents: Callable[[], list[pp.AgentInfo]], events: PeerEvents, metrics: Metrics,
+                 settings: PeerSettings, secret: bytes | None = None,
+                 allowed_host: HostPolicy = loopback_only) -> None:
         self.daemon_id = daemon_id
         self.engine_id = engine_id
         self.advertised_host = advertised_host
-        self.port = 0
+        self._port = 0
         self._local_agents = local_agents
         self._events = events
         self._metrics = metrics
-        self._frames = CountingDecoder(pp.peer_decoder, source="side_channel", max_frame=max_frame,
+        self._settings = settings
+        self._frames = CountingDecoder(pp.peer_decoder, source="side_channel", max_frame=settings.max_frame,
                                        malformed=metrics.malformed)
-        self._hs_timeout = handshake_timeout_s
-        self._hb = heartbeat_interval_s
-        self._peer_timeout = peer_timeout_s
         # With a secret, no hello (no metadata) goes out before the peer proved it knows it.
         self._secret = secret or None
+        self._allowed_host = allowed_host
         self.peers: dict[str, Peer] = {}  # by daemon_id
         self._by_engine: dict[str, Peer] = {}
         self._by_agent: dict[str, Peer] = {}
         self._departed: OrderedDict[str, None] = OrderedDict()  # agent names, oldest first
-        self._lost: dict[str, Peer] = {}  # engine id -> last incarnation lost without being known dead
+        self._lost: OrderedDict[str, Peer] = OrderedDict()  # engine id -> incarnation lost, not known dead
+        self._lost_agents: dict[str, Peer] = {}  # the agents of those, until they return
         self._dialing: dict[tuple[str, int], asyncio.Future[Peer]] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._accepting: set[Session] = set()  # accepted, handshake in progress
+        self._sessions = 0
+        self._tasks = TaskSet("peers")
         self._server: asyncio.AbstractServer | None = None
         self._closing = False
+
+    @property
+    def port(self) -> int:
+        return self._port
 
     # ------------------------------------------------------------------ listening
 
     async def start(self, host: str, port: int) -> int:
         self._server = await asyncio.start_server(self._accept, host, port, limit=1 << 16)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self.port
+        self._port = self._server.sockets[0].getsockname()[1]
+        return self._port
 
     async def close(self) -> None:
         self._closing = True
@@ -159,38 +175,48 @@ class PeerManager:
             for s in list(peer.sessions):
                 s.send(pp.Goodbye(reason="shutdown"))
                 s.close()
+        for session in list(self._accepting):
+            session.close()  # their handshakes end at once (the server does not track them)
         for fut in self._dialing.values():
             fut.cancel()
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.cancel()
         if self._server is not None:
             await self._server.wait_closed()
 
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dialed: bool) -> Session:
+        # A session may have to buffer one of our hellos (every agent's metadata) and then
+        # some messages; beyond that, its peer is not reading.
+        return Session(reader, writer, dialed=dialed, frames=self._frames, max_buffered=2 * self._settings.max_frame)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._closing:
+        refusal = ("closing" if self._closing else "too_many_handshakes" if len(self._accepting) >= MAX_HANDSHAKES
+                   else "too_many_sessions" if self._sessions >= MAX_SESSIONS else "")
+        if refusal:
+            self._metrics.rejected_connections.labels("side_channel", refusal).inc()
             writer.close()
             return
-        session = Session(reader, writer, dialed=False)
+        session = self._session(reader, writer, dialed=False)
+        self._accepting.add(session)
         try:
-            await asyncio.wait_for(self._hello(session), self._hs_timeout)
+            intro = await asyncio.wait_for(self._introduce(session), self._settings.handshake_timeout_s)
+            peer = self._adopt(session, intro)
         except (ProtocolError, HandshakeError, OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
             reason = exc.reason if isinstance(exc, AuthError) else type(exc).__name__
             if isinstance(exc, AuthError):
                 self._metrics.handshakes.labels(exc.reason).inc()
             self._metrics.rejected_connections.labels("side_channel", reason).inc()
-            log.warning("peer_handshake_rejected", phase="accept", reason=reason, error=str(exc), peer=_addr(writer))
-            writer.close()
+            log.warning("peer_handshake_rejected", phase="accept", reason=reason, error=str(exc),
+                        peer=session.peer_name)
+            session.close()
             return
+        finally:
+            self._accepting.discard(session)
         self._metrics.handshakes.labels("accepted").inc()
-        await self._run_session(session)
+        await self._run_session(session, peer)
+
+    async def _introduce(self, session: Session, expect_engine: str = "") -> PeerIntro:
+        return await handshake(session, daemon_id=self.daemon_id, my_hello=self._my_hello, secret=self._secret,
+                               expect_engine=expect_engine)
 
     # ------------------------------------------------------------------ dialing
 
@@ -201,39 +227,54 @@ class PeerManager:
     def find_agent(self, agent_name: str) -> Peer | None:
         return self._by_agent.get(agent_name)
 
-    async def ensure(self, host: str, port: int, engine_id: str = "") -> Peer:
-        """A live peer at host:port (and with ``engine_id``, when given); dial if needed."""
-        if engine_id:
-            peer = self.find_engine(engine_id)
-            if peer is not None:
-                return peer
-        for peer in self.peers.values():
-            if peer.alive and (peer.host, peer.port) == (host, port):
-                if engine_id and peer.engine_id != engine_id:
-                    raise HandshakeError(f"{host}:{port} is engine {peer.engine_id}, expected {engine_id}")
-                return peer
+    def live_daemons(self) -> set[str]:
+        return {d for d, p in self.peers.items() if p.alive}
+
+    async def ensure(self, host: str, port: int, engine_id: str) -> Peer:
+        """A live peer of ``engine_id`` at host:port; dial if needed."""
+        peer = self.find_engine(engine_id)
+        if peer is not None:
+            return peer
         key = (host, port)
         fut = self._dialing.get(key)
         if fut is None:
+            if len(self._dialing) >= MAX_HANDSHAKES:
+                raise HandshakeError(f"{len(self._dialing)} handshakes already in progress")
             fut = asyncio.get_running_loop().create_future()
             self._dialing[key] = fut
-            self._spawn(self._dial(host, port, fut))
+            self._tasks.spawn(self._dial(host, port, engine_id, fut))
         peer = await asyncio.shield(fut)
-        if engine_id and peer.engine_id != engine_id:
+        if peer.engine_id != engine_id:
             raise HandshakeError(f"{host}:{port} is engine {peer.engine_id}, expected {engine_id}")
         return peer
 
-    async def _dial(self, host: str, port: int, fut: asyncio.Future[Peer]) -> None:
+    async def _resolve(self, host: str, port: int) -> str:
+        """The address to connect to, once the host passed ``allowed_host``: checked on
+        every address the name resolves to, and the connection goes to one of those
+        (no second lookup that could answer differently)."""
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise HandshakeError(f"cannot resolve peer host {host!r}: {exc}") from None
+        addresses = sorted({str(info[4][0]) for info in infos})
+        if not self._allowed_host(host, addresses):
+            self._metrics.handshakes.labels("host_refused").inc()
+            raise HandshakeError(f"peer host {host!r} ({', '.join(addresses) or 'no address'}) is not allowed: "
+                                 "list it in allowed_peer_hosts")
+        return addresses[0]
+
+    async def _dial(self, host: str, port: int, engine_id: str, fut: asyncio.Future[Peer]) -> None:
         loop = asyncio.get_running_loop()
         start = loop.time()
         session: Session | None = None
         try:
             try:
+                address = await self._resolve(host, port)
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, port, limit=1 << 16), self._hs_timeout
-                )
-                session = Session(reader, writer, dialed=True)
-                peer = await asyncio.wait_for(self._hello(session), self._hs_timeout)
+                    asyncio.open_connection(address, port, limit=1 << 16), self._settings.handshake_timeout_s)
+                session = self._session(reader, writer, dialed=True)
+                intro = await asyncio.wait_for(self._introduce(session, engine_id), self._settings.handshake_timeout_s)
+                peer = self._adopt(session, intro)
             except (OSError, TimeoutError, asyncio.IncompleteReadError, ProtocolError) as exc:
                 raise HandshakeError(f"handshake with {host}:{port} failed: {exc or type(exc).__name__}") from None
         except asyncio.CancelledError:
@@ -256,101 +297,65 @@ class PeerManager:
         self._metrics.handshake_seconds.observe(loop.time() - start)
         if not fut.done():
             fut.set_result(peer)
-        await self._run_session(session)
-
-    # ------------------------------------------------------------------ session
-
-    async def _read(self, session: Session, timeout: float | None = None) -> pp.PeerMessage:
-        # The cap is checked before a payload byte is read, during the handshake too;
-        # both refusals are counted by the decoder (source "side_channel").
-        header = await asyncio.wait_for(session.reader.readexactly(HEADER.size), timeout)
-        length = self._frames.frame_length(header)
-        payload = await asyncio.wait_for(session.reader.readexactly(length), timeout)
-        return self._frames.decode(payload)
+        await self._run_session(session, peer)
 
     def _my_hello(self) -> pp.PeerHello:
         return pp.PeerHello(
             daemon_id=self.daemon_id,
             engine_id=self.engine_id,
             side_channel_host=self.advertised_host,
-            side_channel_port=self.port,
+            side_channel_port=self._port,
             agents=self._local_agents(),
-            heartbeat_interval_s=self._hb,
+            heartbeat_interval_s=self._settings.heartbeat_interval_s,
         )
 
-    async def _hello(self, session: Session) -> Peer:
-        preamble = encode_preamble(pp.MAGIC, pp.MAJOR, pp.MINOR)
-        nonce = new_nonce() if self._secret is not None else b""
-        if self._secret is None:
-            session.writer.write(preamble + frame(pp.encode(self._my_hello())))
-        else:
-            session.writer.write(preamble + frame(pp.encode(pp.AuthChallenge(nonce=nonce, daemon_id=self.daemon_id))))
-        minor = check_preamble(await session.reader.readexactly(PREAMBLE.size), pp.MAGIC, pp.MAJOR)
-        msg = await self._read(session)
-        authenticated = ""
-        if self._secret is not None:
-            authenticated = await self._authenticate(session, nonce, minor, msg)
-            session.send(self._my_hello())
-            msg = await self._read(session)
-        elif isinstance(msg, pp.AuthChallenge):
-            raise AuthError("auth_required", "peer requires side-channel authentication "
-                                             "(set side_channel_secret_file to the deployment's secret)")
-        if not isinstance(msg, pp.PeerHello):
-            raise ProtocolError(f"expected hello, got {type(msg).__name__}")
-        if msg.daemon_id == self.daemon_id:
-            raise HandshakeError("connected to ourselves")
-        if authenticated and msg.daemon_id != authenticated:
-            raise ProtocolError("hello names another daemon than the one that authenticated")
-        return self._adopt(session, msg)
+    # ------------------------------------------------------------------ incarnations
 
-    async def _authenticate(self, session: Session, my_nonce: bytes, minor: int, msg: pp.PeerMessage) -> str:
-        """Run the proof exchange after the peer's challenge ``msg``; return the peer's
-        daemon id once its proof checks. Our proof goes out before we check theirs, so
-        a wrong secret fails on both sides at once, each with a clear reason."""
-        assert self._secret is not None
-        if not isinstance(msg, pp.AuthChallenge):
-            why = f"speaks side-channel 1.{minor}, without authentication" if minor < pp.AUTH_MINOR \
-                else f"sent {type(msg).__name__}"
-            raise AuthError("auth_missing", f"peer did not authenticate: it {why}")
-        if msg.daemon_id == self.daemon_id:
-            raise HandshakeError("connected to ourselves")
-        auth = PeerAuth(self._secret, Role.DIALER if session.dialed else Role.ACCEPTOR,
-                        self.daemon_id, my_nonce, msg.daemon_id, msg.nonce)
-        session.send(pp.AuthProof(mac=auth.my_proof()))
-        reply = await self._read(session)
-        if not isinstance(reply, pp.AuthProof):
-            raise AuthError("auth_missing", f"peer did not authenticate: it sent {type(reply).__name__}")
-        if not auth.check_peer(reply.mac):
-            raise AuthError("auth_bad_proof", "peer failed side-channel authentication (another secret?)")
-        return msg.daemon_id
-
-    def _adopt(self, session: Session, hello: pp.PeerHello) -> Peer:
+    def _adopt(self, session: Session, intro: PeerIntro) -> Peer:
+        hello = intro.hello
         old = self._by_engine.get(hello.engine_id)
         if old is not None and old.daemon_id != hello.daemon_id:
+            if not intro.authenticated and old.alive:
+                # Anyone can claim an engine id without a secret: a live peer is not
+                # displaced by a claim. A real restart shows up once the old sessions end.
+                self._metrics.handshakes.labels("engine_claimed").inc()
+                raise HandshakeError(f"engine {hello.engine_id} is held by a live peer "
+                                     f"({old.daemon_id[:8]}); unauthenticated hello refused")
             # Same engine, new incarnation: the old one's agents and sessions are stale.
             log.info("peer_restarted", peer=hello.engine_id, old=old.daemon_id[:8], new=hello.daemon_id[:8])
-            old.gone = True
+            old.gone = intro.authenticated
             self._forget(old)
         lost = self._lost.pop(hello.engine_id, None)
+        if lost is not None:
+            for name in lost.agents:
+                self._lost_agents.pop(name, None)
         if lost is not None and lost.daemon_id != hello.daemon_id:
-            # The incarnation we lost earlier is dead, not just silent: nothing it sent
-            # is still on the way, and a late notification from its agents is refused.
-            log.info("peer_restarted", peer=hello.engine_id, old=lost.daemon_id[:8], new=hello.daemon_id[:8])
-            lost.gone = True
+            # A new incarnation: a late notification from the old one's agents is refused.
             for name in lost.agents:
                 self._remember_departed(name)
-            self._events.peer_gone(lost)
+            if intro.authenticated:
+                # ... and the old one is dead, not just silent: nothing it sent is still
+                # on the way. Only an authenticated hello can say so.
+                log.info("peer_restarted", peer=hello.engine_id, old=lost.daemon_id[:8], new=hello.daemon_id[:8])
+                lost.gone = True
+                self._events.peer_gone(lost)
         peer = self.peers.get(hello.daemon_id)
         if peer is None:
             peer = Peer(hello.daemon_id, hello.engine_id, hello.side_channel_host, hello.side_channel_port)
             self.peers[peer.daemon_id] = peer
             self._by_engine[peer.engine_id] = peer
         peer.heartbeat_interval_s = hello.heartbeat_interval_s
+        peer.minor = intro.minor
+        peer.authenticated = peer.authenticated or intro.authenticated
         session.peer = peer
         peer.sessions.add(session)
+        self._sessions += 1
         self._metrics.peers.set(sum(1 for p in self.peers.values() if p.alive))
+        if len(peer.sessions) == 1:
+            self._events.peer_up(peer)
         self._add_agents(peer, hello.agents)
-        log.info("peer_up", peer=peer.engine_id, daemon=peer.daemon_id[:8], agents=len(peer.agents), session=session.id)
+        log.info("peer_up", peer=peer.engine_id, daemon=peer.daemon_id[:8], agents=len(peer.agents),
+                 session=session.id, minor=intro.minor, authenticated=intro.authenticated)
         return peer
 
     def _add_agents(self, peer: Peer, agents: list[pp.AgentInfo]) -> None:
@@ -363,37 +368,32 @@ class PeerManager:
                 if self._by_agent.get(name) is peer:
                     del self._by_agent[name]
                 self._remember_departed(name)
+            if a.agent_name not in peer.agents and len(peer.agents) >= MAX_AGENTS_PER_PEER:
+                raise ProtocolError(f"peer announces more than {MAX_AGENTS_PER_PEER} agents")
+            owner = self._by_agent.get(a.agent_name)
+            if owner is not None and owner is not peer:
+                raise ProtocolError(f"agent {a.agent_name} belongs to another peer")
             peer.agents[a.agent_name] = a
             self._by_agent[a.agent_name] = peer
-        self._events.peer_up(peer, new)
+        if new:
+            self._events.agents_announced(peer, new)
 
-    async def _run_session(self, session: Session) -> None:
-        peer = session.peer
-        assert peer is not None
-        hb = self._spawn(self._heartbeats(session))
+    # ------------------------------------------------------------------ session
+
+    async def _run_session(self, session: Session, peer: Peer) -> None:
+        hb = self._tasks.spawn(session.heartbeats(self._settings.heartbeat_interval_s))
         # A peer is silent once neither a heartbeat nor anything else arrived for our
         # timeout, stretched to three of the peer's own heartbeat intervals.
-        timeout = max(self._peer_timeout, 3 * peer.heartbeat_interval_s)
+        timeout = max(self._settings.peer_timeout_s, 3 * peer.heartbeat_interval_s)
         try:
             while True:
-                msg = await self._read(session, timeout)
+                msg = await session.read(timeout)
                 if isinstance(msg, pp.Heartbeat):
                     continue
-                if isinstance(msg, pp.PushFailed):
-                    self._events.push_failed(peer, msg)
-                elif isinstance(msg, pp.CancelPush):
-                    self._events.cancel_push(peer, msg)
-                elif isinstance(msg, pp.PushCancelled):
-                    self._events.push_cancelled(peer, msg)
-                elif isinstance(msg, pp.WriteStarted):
-                    self._events.write_started(peer, msg)
-                elif isinstance(msg, pp.AgentsUpdate):
-                    self._add_agents(peer, msg.agents)
-                elif isinstance(msg, pp.Goodbye):
+                if isinstance(msg, pp.Goodbye):
                     log.info("peer_goodbye", peer=peer.engine_id, reason=msg.reason)
                     break
-                else:
-                    raise ProtocolError(f"unexpected {type(msg).__name__} after hello")
+                self._dispatch(peer, msg)
         except TimeoutError:
             log.warning("peer_silent", peer=peer.engine_id, timeout_s=timeout)
         except MalformedInput as exc:  # counted by the decoder
@@ -408,18 +408,26 @@ class PeerManager:
             session.close()
             self._drop_session(session)
 
-    async def _heartbeats(self, session: Session) -> None:
-        for seq in itertools.count():
-            await asyncio.sleep(self._hb)
-            if session.writer.is_closing():
-                return
-            session.send(pp.Heartbeat(seq=seq))
+    def _dispatch(self, peer: Peer, msg: pp.PeerMessage) -> None:
+        if isinstance(msg, pp.PushFailed):
+            self._events.push_failed(peer, msg)
+        elif isinstance(msg, pp.CancelPush):
+            self._events.cancel_push(peer, msg)
+        elif isinstance(msg, pp.PushCancelled):
+            self._events.push_cancelled(peer, msg)
+        elif isinstance(msg, pp.WriteStarted):
+            self._events.write_started(peer, msg)
+        elif isinstance(msg, pp.AgentsUpdate):
+            self._add_agents(peer, msg.agents)
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} after hello")
 
     def _drop_session(self, session: Session) -> None:
         peer = session.peer
-        if peer is None:
+        if peer is None or session not in peer.sessions:
             return
         peer.sessions.discard(session)
+        self._sessions -= 1
         if not peer.sessions and self.peers.get(peer.daemon_id) is peer:
             self._forget(peer)
 
@@ -434,6 +442,15 @@ class PeerManager:
                 self._remember_departed(name)
         if not peer.gone and not self._closing:
             self._lost[peer.engine_id] = peer  # until it returns or a new incarnation does
+            self._lost.move_to_end(peer.engine_id)
+            for name in peer.agents:
+                self._lost_agents[name] = peer
+            while len(self._lost) > _LOST_KEPT:
+                _, oldest = self._lost.popitem(last=False)
+                for name in oldest.agents:  # forgotten as lost, still refused as late
+                    self._lost_agents.pop(name, None)
+                    self._remember_departed(name)
+        self._sessions -= len(peer.sessions)
         for s in list(peer.sessions):
             s.close()
         peer.sessions.clear()
@@ -442,9 +459,11 @@ class PeerManager:
         self._events.peer_down(peer)
 
     def departed(self, agent_name: str) -> bool:
-        """``agent_name`` belonged to a peer incarnation or worker that is gone: a
-        notification from it is late, never a new request."""
-        return agent_name in self._departed
+        """``agent_name`` belonged to a peer incarnation or worker that is gone, or to a
+        peer we lost (until it returns): a notification from it is late, never a new
+        request. Its sender dropped what it had sent us when the session ended, and
+        may already have handed the blocks back."""
+        return agent_name in self._departed or agent_name in self._lost_agents
 
     def _remember_departed(self, agent_name: str) -> None:
         self._departed[agent_name] = None
@@ -456,20 +475,14 @@ class PeerManager:
 
     def broadcast(self, msg: msgspec.Struct) -> None:
         for peer in self.peers.values():
-            for s in peer.sessions:
-                s.send(msg)
-                break
+            self.send(peer, msg)
 
     def send(self, peer: Peer, msg: msgspec.Struct) -> bool:
-        for s in peer.sessions:
-            s.send(msg)
-            return True
+        for s in list(peer.sessions):
+            if s.send(msg):
+                return True
         return False
 
     def __repr__(self) -> str:
-        return f"<PeerManager {self.engine_id} port={self.port} peers={len(self.peers)} dialing={len(self._dialing)}>"
-
-
-def _addr(writer: asyncio.StreamWriter) -> str:
-    peer = writer.get_extra_info("peername")
-    return f"{peer[0]}:{peer[1]}" if peer else "?"
+        return (f"<PeerManager {self.engine_id} port={self._port} peers={len(self.peers)} "
+                f"sessions={self._sessions} dialing={len(self._dialing)}>")

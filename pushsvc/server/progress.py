@@ -41,7 +41,6 @@ class ProgressLoop:
         self.idle_interval = idle_interval
         self._wakeup: asyncio.Future[None] | None = None
         self._woken = False
-        self.passes = 0
 
     def wake(self) -> None:
         self._woken = True
@@ -52,7 +51,6 @@ class ProgressLoop:
         loop = asyncio.get_running_loop()
         while True:
             self._woken = False
-            self.passes += 1
             try:
                 pace = self._step(loop.time())
             except Exception:

@@ -1,99 +1,126 @@
-"""Per-worker-rank state owned by the daemon: the NIXL agent, the registered KV memory
-and layout, the two matching tables, and the WRITEs in flight."""
+"""What the daemon holds for each worker rank: the NIXL agent, the registered KV
+memory and its layout, the loaded remote agents, the worker's connection.
+
+These are resources; what a rank is *doing* (P's matches and WRITEs, D's
+registrations) lives in the sending and receiving sides (``sender.py``,
+``receiver.py``), which keep one state per ``Rank``.
+
+A rank whose worker is replaced *retires*: the new worker gets a fresh ``Rank`` (new
+memory, new agent name) while the old one stays until both sides say nothing of it is
+in flight any more; then its agent and mapping are released.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
-from pushsvc.protocol.peer import AgentInfo
-from pushsvc.protocol.worker import Region
+import numpy as np
+
+from pushsvc.engine.base import Agent, DListHandle
+from pushsvc.protocol import peer as pp
+from pushsvc.protocol import worker as wp
+from pushsvc.server.remotes import RemoteAgents
 from pushsvc.shm import SharedBuffer
-from pushsvc.state.consumer import ConsumerTable
 from pushsvc.state.layout import Layout, RegionSpec
-from pushsvc.state.producer import Match, ProducerTable
 
 
-@dataclass(slots=True)
-class Inflight:
-    """A posted WRITE. Its blocks stay leased until the handle settles."""
+class WorkerLink(Protocol):
+    """The connection of the worker that owns a rank (``workers.WorkerConn``)."""
 
-    match: Match
-    handle: Any
-    remote_agent: str
-    nbytes: int
-    posted_at: float
-    cancelled: bool = False
-    write_start: float = 0.0  # perf_counter() just before the WRITE was posted  # D withdrew the registration: acknowledge once settled
+    pid: int
+    minor: int
+
+    def send(self, msg: wp.DaemonMessage) -> None: ...
 
 
-@dataclass
-class LocalRank:
-    engine_id: str
-    rank: int
+@dataclass(eq=False)
+class RankMemory:
+    """The worker's KV memory as this daemon mapped and registered it."""
+
+    buffers: list[SharedBuffer]
+    regions: list[wp.Region]
+    layout: Layout
+    descs: np.ndarray  # Nx3 (address, length, device) of every block, behind ``dlist``
+    dlist: DListHandle
+    mem_type: str = "DRAM"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size for b in self.buffers)
+
+    def close(self) -> None:
+        for b in self.buffers:
+            b.close()
+        self.buffers.clear()
+
+
+@dataclass(eq=False)
+class Rank:
+    number: int
     tp_size: int
-    role: str
-    agent: Any
-    producer: ProducerTable
-    consumer: ConsumerTable
-    conn: Any = None  # the worker connection that owns this rank, if connected
-    layout: Layout | None = None
-    regions: list[Region] = field(default_factory=list)
-    buffers: list[SharedBuffer] = field(default_factory=list)
-    local_dlist: Any = None
-    local_descs: Any = None  # Nx3 numpy table behind local_dlist (address, length, device)
-    remote_dlists: dict[str, Any] = field(default_factory=dict)  # remote agent -> prepped list
-    remote_checked: dict[str, str] = field(default_factory=dict)  # remote agent -> "" ok / error
-    inflight: dict[str, Inflight] = field(default_factory=dict)  # by P request id
-    staged_at: dict[str, float] = field(default_factory=dict)
-    registered_at: dict[str, float] = field(default_factory=dict)  # D request id -> time
-    incoming: dict[str, float] = field(default_factory=dict)  # D request id -> WRITE announced at
-    digests: dict[str, bytes] = field(default_factory=dict)  # verify: P's digests by D request id
-    landed: dict[str, Any] = field(default_factory=dict)  # verify: completed, waiting for digests
+    role: wp.Role
+    pid: int
+    agent: Agent
+    remotes: RemoteAgents
+    memory: RankMemory | None = None
+    conn: WorkerLink | None = None
 
     @property
     def ready(self) -> bool:
-        return self.layout is not None
+        return self.memory is not None
 
-    @property
-    def busy(self) -> bool:
-        return bool(self.inflight) or self.producer.busy or self.consumer.busy
+    def agent_info(self) -> pp.AgentInfo:
+        assert self.memory is not None
+        return pp.AgentInfo(
+            rank=self.number,
+            tp_size=self.tp_size,
+            agent_name=self.agent.name,
+            metadata=self.agent.metadata(),
+            regions=[
+                pp.RegionInfo(base=s.base, block_len=s.block_len, num_blocks=s.num_blocks,
+                              block_stride=r.block_stride, group=s.group, layer_names=r.layer_names)
+                for s, r in zip(self.memory.layout.regions, self.memory.regions)
+            ],
+            blocks_per_logical=self.memory.layout.blocks_per_logical,
+            mem_type=self.memory.mem_type,
+        )
 
-    def forget_recv(self, request_id: str) -> float | None:
-        """Drop the D-side timing of a request that reached its final event."""
-        self.incoming.pop(request_id, None)
-        self.digests.pop(request_id, None)
-        self.landed.pop(request_id, None)
-        return self.registered_at.pop(request_id, None)
-
-    def hot(self, now: float, hot_max_s: float) -> bool:
-        """A WRITE is moving from or into this rank's memory (for at most hot_max_s)."""
-        if any(now - f.posted_at < hot_max_s for f in self.inflight.values()):
-            return True
-        return any(now - t < hot_max_s for t in self.incoming.values())
-
-    def sizes(self) -> dict[str, int]:
-        sizes = {**self.producer.sizes(), **self.consumer.sizes(), "inflight": len(self.inflight)}
-        sizes["d_pending"] += len(self.landed)  # verify: landed, digests still on the way
-        return sizes
+    def close(self) -> None:
+        """Release the agent (every handle it still holds) and then the memory."""
+        self.agent.close()
+        if self.memory is not None:
+            self.memory.close()
 
     def __repr__(self) -> str:
-        return f"<LocalRank {self.engine_id}/r{self.rank} role={self.role} agent={self.agent.name} {self.sizes()}>"
+        return (f"<Rank r{self.number}/{self.tp_size} {self.role} agent={self.agent.name} pid={self.pid} "
+                f"ready={self.ready} connected={self.conn is not None}>")
 
 
-def layout_from_regions(regions: list[Region], bases: list[int], blocks_per_logical: int) -> Layout:
+@dataclass
+class RankRegistry:
+    current: dict[int, Rank] = field(default_factory=dict)  # by rank number
+    retiring: list[Rank] = field(default_factory=list)  # replaced, still settling
+
+    def all(self) -> list[Rank]:
+        return [*self.current.values(), *self.retiring]
+
+    def numbered(self, number: int) -> list[Rank]:
+        """Every rank with this number: the current one first, then retiring ones."""
+        current = self.current.get(number)
+        return ([current] if current is not None else []) + [r for r in self.retiring if r.number == number]
+
+    def successor(self, rank: Rank) -> Rank | None:
+        """The connected rank that took over from ``rank``'s worker process, if that
+        same process reconnected: events of the old connection's requests go to it."""
+        current = self.current.get(rank.number)
+        if current is None or current is rank or current.conn is None or not rank.pid or current.pid != rank.pid:
+            return None
+        return current
+
+
+def layout_from_regions(regions: list[wp.Region], bases: list[int], blocks_per_logical: int) -> Layout:
     return Layout(
-        tuple(
-            RegionSpec(bases[r.buffer] + r.offset, r.block_len, r.num_blocks, r.stride, r.group)
-            for r in regions
-        ),
+        tuple(RegionSpec(bases[r.buffer] + r.offset, r.block_len, r.num_blocks, r.stride, r.group) for r in regions),
         blocks_per_logical,
-    )
-
-
-def layout_of_agent(info: AgentInfo) -> Layout:
-    """A remote agent's layout, as its daemon described it in the hello."""
-    return Layout(
-        tuple(RegionSpec(r.base, r.block_len, r.num_blocks, r.stride, r.group) for r in info.regions),
-        info.blocks_per_logical,
     )

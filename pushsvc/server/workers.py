@@ -26,7 +26,7 @@ import grp
 import os
 import socket
 import struct
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import structlog
@@ -36,6 +36,7 @@ from pushsvc.metrics import Metrics
 from pushsvc.protocol import worker as wp
 from pushsvc.protocol.framing import DECODE_ERRORS, PREAMBLE, FrameBuffer, check_preamble, encode_preamble, frame
 from pushsvc.server.access import AccessPolicy, PendingQueue
+from pushsvc.server.ranks import Rank, WorkerLink
 
 log = structlog.get_logger("pushsvc.workers")
 
@@ -51,6 +52,16 @@ _MAX_PEER_GROUPS = 1024
 # iteration with the connections (and the health server) already there.
 _ACCEPTS_PER_WAKEUP = 16
 _BACKLOG = 128
+
+
+class WorkerHandler(Protocol):
+    """What a worker connection asks of the push service."""
+
+    def describe(self) -> wp.Welcome: ...
+    def attach_worker(self, conn: WorkerLink, hello: wp.Hello) -> tuple[Rank, wp.Welcome]: ...
+    def detach_worker(self, rank: Rank) -> None: ...
+    def register_kv(self, rank: Rank, msg: wp.RegisterKV, fds: list[int]) -> wp.KVRegistered: ...
+    def on_worker_message(self, rank: Rank, msg: wp.WorkerMessage) -> None: ...
 
 
 class ConnState(enum.Enum):
@@ -69,7 +80,8 @@ class WorkerConn:
         self.uid = uid
         self.pid = pid
         self.state = ConnState.PREAMBLE
-        self.rank: Any = None
+        self.minor = 0  # the worker's protocol minor, from its preamble
+        self.rank: Rank | None = None
         self._pre = b""
         self._frames = FrameBuffer(server.max_frame)
         self._fds: list[int] = []
@@ -111,7 +123,7 @@ class WorkerConn:
         self._pre += data
         if len(self._pre) < PREAMBLE.size:
             return b""
-        check_preamble(self._pre[: PREAMBLE.size], wp.MAGIC, wp.MAJOR)
+        self.minor = check_preamble(self._pre[: PREAMBLE.size], wp.MAGIC, wp.MAJOR)
         rest = self._pre[PREAMBLE.size :]
         self._pre = b""
         self.state = ConnState.HELLO
@@ -132,7 +144,7 @@ class WorkerConn:
         except Exception as exc:
             # A bug here must cost one message, not the daemon: log it with its
             # traceback, answer the worker, keep serving.
-            log.exception("worker_message_failed", rank=getattr(self.rank, "rank", None), request_id=request_id)
+            log.exception("worker_message_failed", rank=self._rank_number, request_id=request_id)
             self._reject("internal", f"{type(exc).__name__}: {exc}", fatal=self.state is ConnState.HELLO,
                          request_id=request_id)
 
@@ -145,8 +157,7 @@ class WorkerConn:
         elif self.state is ConnState.HELLO:
             if not isinstance(msg, wp.Hello):
                 raise ProtocolError(f"expected hello, got {type(msg).__name__}")
-            welcome = service.attach_worker(self, msg)
-            self.rank = service.ranks[msg.rank]
+            self.rank, welcome = service.attach_worker(self, msg)
             # READY before the welcome goes out: if the worker is already gone, the
             # failed send closes a READY connection, which detaches it from its rank.
             self.state = ConnState.READY
@@ -155,6 +166,8 @@ class WorkerConn:
             self.send(welcome)
         elif isinstance(msg, wp.Hello):
             raise ProtocolError("hello sent twice")
+        elif self.rank is None:
+            raise ProtocolError(f"{type(msg).__name__} before hello")
         elif isinstance(msg, wp.RegisterKV):
             # The fds ride on this frame's first bytes; any received since belong to it.
             fds, self._fds = self._fds, []
@@ -205,7 +218,7 @@ class WorkerConn:
     def _reject(self, reason: str, message: str, *, fatal: bool, request_id: str = "") -> None:
         self.server.metrics.malformed.labels("worker", reason).inc()
         log.warning("worker_input_rejected", reason=reason, error=message[:300], pid=self.pid,
-                    rank=getattr(self.rank, "rank", None), request_id=request_id or None)
+                    rank=self._rank_number, request_id=request_id or None)
         self.send(wp.Error(code=reason, message=message[:1000], request_id=request_id))
         if fatal:
             self._flush()
@@ -228,16 +241,20 @@ class WorkerConn:
         self._close_fds()
         self.sock.close()
         self.server.forget(self)
-        if was_ready:
-            self.server.service.detach_worker(self)
-            log.info("worker_disconnected", reason=reason, pid=self.pid, rank=getattr(self.rank, "rank", None))
+        if was_ready and self.rank is not None:
+            self.server.service.detach_worker(self.rank)
+            log.info("worker_disconnected", reason=reason, pid=self.pid, rank=self._rank_number)
+
+    @property
+    def _rank_number(self) -> int | None:
+        return self.rank.number if self.rank is not None else None
 
     def __repr__(self) -> str:
         return f"<WorkerConn pid={self.pid} state={self.state.value} out={len(self._out)}>"
 
 
 class WorkerServer:
-    def __init__(self, *, path: str, service: Any, metrics: Metrics, max_frame: int,
+    def __init__(self, *, path: str, service: WorkerHandler, metrics: Metrics, max_frame: int,
                  allowed_uids: list[int], allowed_gids: list[int], group: str, max_connections: int,
                  hello_timeout_s: float, max_pending: int) -> None:
         self.path = path

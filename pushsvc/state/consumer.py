@@ -1,35 +1,44 @@
 """D-side registration table: requests waiting for P to push their KV.
 
-Pure state, ``now`` passed in. Life of a D request::
+Pure state, ``now`` passed in; methods return what the caller (``server/receiver.py``)
+must do. Life of a D request::
 
-    add --> pending --mark_sent--> sent --completion x expected--> done (removed)
-               |                    \\--evict--> cancelling --fail (P confirmed)--> removed
-               \\--evict--> removed (P never saw it)
-    sent --watchdog--> cancelling (reason "watchdog")
-    sent/cancelling --P lost--> cancelling (reason "peer_lost"): a completion still
-                                counts as done; the grace running out fails it
-    any other state --fail / watchdog expiry--> removed
+    add --> PENDING --mark_sent--> SENT --completion x expected--> done (removed)
+              |                     |  \\--(verify, digests late)--> LANDED --digests--> done
+              \\--evict/watchdog-->  |
+                  removed           \\--evict/watchdog--> CANCELLING --P confirms--> removed
+    SENT/CANCELLING --P lost--> CANCELLING, held for the grace; a completion still counts
 
-``expected`` is how many completion notifications this rank must see: P ranks that
+From ``SENT`` on, P may be writing into the blocks, so no path hands them back while a
+WRITE may still land: a cancelled registration waits for P's ``PushCancelled`` (or the
+WRITE's completion) for as long as the session to P lives, however long P's WRITE takes.
+Only once P is *lost* (no session) does a timer start: ``cancel_grace_s``, after which
+the blocks are given back; and P known *dead* (a new incarnation said hello) ends the
+wait at once.
+
+``expected`` is how many completion notifications this rank must see: the P ranks that
 write into it (P TP / D TP, at least 1).
 
-A block belongs to at most one tracked registration: P may write into it until that
-registration is final, so ``holder`` lets the daemon refuse a second one naming it.
+A block belongs to at most one tracked registration (``holder``), so the daemon can
+refuse a second registration naming a block P may still write into.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 from enum import Enum
 
-
 PEER_LOST = "peer_lost"
+WATCHDOG = "watchdog"
+CANCELLED = "cancelled"
 
 
 class RecvState(Enum):
-    PENDING = "pending"  # waiting for the handshake with P
+    PENDING = "pending"  # waiting for the handshake with P: P cannot have seen it
     SENT = "sent"  # PUSH_REG delivered to P's agent
-    CANCELLING = "cancelling"  # worker evicted it; waiting for P to confirm no WRITE lands
+    CANCELLING = "cancelling"  # withdrawn (or P lost): waiting until no WRITE can land
+    LANDED = "landed"  # verify mode: every WRITE landed, P's digests not here yet
 
 
 @dataclass(slots=True)
@@ -45,31 +54,225 @@ class PendingRecv:
     request_id: str
     block_ids: list[list[int]]
     remote: Remote
-    deadline: float
+    registered_at: float
+    # When the entry's timer fires: the watchdog while PENDING/SENT; the end of the
+    # grace for a CANCELLING entry whose P is lost (None: wait for P's answer); the
+    # digest wait while LANDED.
+    deadline: float | None
     expected: int
+    match_key: str = ""
+    p_daemon: str = ""  # the P incarnation the PUSH_REG went to
+    p_agent: str = ""  # ... and its agent, the only one whose completion counts
     seen: int = 0
     state: RecvState = RecvState.PENDING
-    reason: str = "cancelled"  # reported when a cancellation completes
+    reason: str = CANCELLED  # why a CANCELLING entry is being withdrawn
+    announced_at: float | None = None  # P's WriteStarted arrived (hot polling)
+    digests: bytes | None = None  # verify mode: P's digests, from WriteStarted
 
     @property
     def flat_block_ids(self) -> list[int]:
         return [b for group in self.block_ids for b in group]
 
+    @property
+    def held(self) -> bool:
+        """Withdrawn while P is lost: the grace timer runs."""
+        return self.state is RecvState.CANCELLING and self.deadline is not None
+
 
 class CompletionOutcome(Enum):
-    DONE = "done"
+    DONE = "done"  # every WRITE landed: RecvDone
+    VERIFY = "verify"  # every WRITE landed and P's digests are here: check, then report
+    AWAIT_DIGESTS = "await_digests"  # verify mode: landed before P's digests (kept LANDED)
     PARTIAL = "partial"
     UNKNOWN = "unknown"  # late, duplicate or foreign: counted, otherwise ignored
-    CANCELLED = "cancelled"  # the last WRITE of a cancelled registration landed
+    CANCELLED = "cancelled"  # the last WRITE of a withdrawn registration landed: RecvFailed
+
+
+class EvictOutcome(Enum):
+    NONE = "none"  # unknown, or already withdrawn
+    FINAL = "final"  # P cannot be writing: the entry is gone, report it now
+    CANCEL = "cancel"  # P may be writing: ask P (CancelPush), report when it answers
+    HELD = "held"  # P may be writing and cannot be asked: the grace timer runs
+
+
+class ExpiryAction(Enum):
+    FAIL = "fail"  # final: report RecvFailed with the reason
+    CANCEL = "cancel"  # the watchdog fired while P may be writing: ask P first
+    HOLD = "hold"  # as CANCEL, but P cannot be asked: the grace timer runs
+
+
+@dataclass(frozen=True, slots=True)
+class RecvExpiry:
+    entry: PendingRecv
+    action: ExpiryAction
+    kind: str = ""  # FAIL: the failure kind for metrics and logs
+    reason: str = ""  # FAIL: the final reason the worker reads
 
 
 @dataclass
 class ConsumerTable:
     watchdog_s: float
     local_tp_size: int = 1
-    cancel_grace_s: float = 5.0  # how long P has to confirm a cancellation
+    cancel_grace_s: float = 5.0  # how long a lost P's WRITEs may still land
+    digest_wait_s: float = 5.0  # verify mode: how long a landed request waits for P's digests
     pending: dict[str, PendingRecv] = field(default_factory=dict)
     _holders: dict[tuple[int, int], str] = field(default_factory=dict)  # (group, block) -> request id
+
+    # ------------------------------------------------------------------ inputs
+
+    def add(self, request_id: str, block_ids: list[list[int]], remote: Remote, now: float,
+            match_key: str = "") -> PendingRecv | None:
+        """Track a registration; ``None`` if the id is already tracked (idempotent)."""
+        if request_id in self.pending:
+            return None
+        expected = max(1, remote.tp_size // max(1, self.local_tp_size))
+        entry = PendingRecv(request_id, block_ids, remote, now, now + self.watchdog_s, expected, match_key)
+        self.pending[request_id] = entry
+        for g, ids in enumerate(block_ids):
+            for b in ids:
+                self._holders.setdefault((g, b), request_id)
+        return entry
+
+    def mark_sent(self, request_id: str, p_daemon: str, p_agent: str) -> bool:
+        entry = self.pending.get(request_id)
+        if entry is None or entry.state is not RecvState.PENDING:
+            return False
+        entry.state = RecvState.SENT
+        entry.p_daemon, entry.p_agent = p_daemon, p_agent
+        return True
+
+    def sent_by(self, request_id: str, p_daemon: str) -> PendingRecv | None:
+        """The entry ``request_id`` if its PUSH_REG went to that P incarnation."""
+        entry = self.pending.get(request_id)
+        return entry if entry is not None and entry.p_daemon and entry.p_daemon == p_daemon else None
+
+    def announce(self, request_id: str, p_daemon: str, digests: bytes, now: float,
+                 verify: bool) -> PendingRecv | None:
+        """P said it posted the WRITE (``WriteStarted``). Returns the entry if that
+        completes it: a LANDED entry whose digests were the last thing missing (it is
+        removed; the caller verifies and reports)."""
+        entry = self.sent_by(request_id, p_daemon)
+        if entry is None:
+            return None
+        if verify:
+            entry.digests = digests
+        if entry.state is RecvState.LANDED:
+            return self._drop(request_id)
+        entry.announced_at = now
+        return None
+
+    def on_completion(self, request_id: str, sender: str, now: float,
+                      verify: bool = False) -> tuple[CompletionOutcome, PendingRecv | None]:
+        """A completion notification from agent ``sender``; it counts only from the agent
+        the PUSH_REG went to."""
+        entry = self.pending.get(request_id)
+        if entry is None or entry.state in (RecvState.PENDING, RecvState.LANDED) or entry.p_agent != sender:
+            return CompletionOutcome.UNKNOWN, None
+        entry.seen += 1
+        if entry.seen < entry.expected:
+            return CompletionOutcome.PARTIAL, entry
+        if entry.state is RecvState.CANCELLING and entry.reason != PEER_LOST:
+            self._drop(request_id)
+            return CompletionOutcome.CANCELLED, entry
+        if not verify:
+            self._drop(request_id)
+            return CompletionOutcome.DONE, entry
+        if entry.digests is not None:
+            self._drop(request_id)
+            return CompletionOutcome.VERIFY, entry
+        # Every byte landed, but the digests (sent on the side channel) are behind the
+        # completion: the blocks stay held until they come or the wait runs out.
+        entry.state = RecvState.LANDED
+        entry.deadline = now + self.digest_wait_s
+        return CompletionOutcome.AWAIT_DIGESTS, entry
+
+    def fail(self, request_id: str) -> PendingRecv | None:
+        return self._drop(request_id)
+
+    def evict(self, request_id: str, now: float, peer_alive: bool) -> tuple[EvictOutcome, PendingRecv | None]:
+        """The worker withdrew ``request_id``. A registration P may be writing into
+        becomes CANCELLING: with a live session to P it waits for P's answer (no timer),
+        without one the grace timer runs."""
+        entry = self.pending.get(request_id)
+        if entry is None or entry.state is RecvState.CANCELLING:
+            return EvictOutcome.NONE, None
+        if entry.state is not RecvState.SENT:  # PENDING: P never saw it; LANDED: all written
+            return EvictOutcome.FINAL, self._drop(request_id)
+        entry.state, entry.reason = RecvState.CANCELLING, CANCELLED
+        return self._withdrawn(entry, now, peer_alive)
+
+    def peer_lost(self, p_daemon: str, now: float) -> list[PendingRecv]:
+        """P's daemon went away without being known dead: a WRITE it posted may still
+        land. Its SENT and CANCELLING registrations are held for ``cancel_grace_s``; a
+        completion still makes a held SENT registration done."""
+        out = []
+        for entry in self.sent_to(p_daemon):
+            if entry.state not in (RecvState.SENT, RecvState.CANCELLING):
+                continue
+            if entry.state is RecvState.SENT:
+                entry.state, entry.reason = RecvState.CANCELLING, PEER_LOST
+            entry.deadline = now + self.cancel_grace_s if entry.deadline is None else min(
+                entry.deadline, now + self.cancel_grace_s)
+            out.append(entry)
+        return out
+
+    def peer_back(self, p_daemon: str) -> list[PendingRecv]:
+        """A lost P incarnation is reachable again. P dropped the registrations of the
+        session it lost, so the held ones will never be written: they wait for P's
+        confirmation of a cancel (the caller sends it) instead of the grace timer."""
+        out = [e for e in self.sent_to(p_daemon) if e.held]
+        for entry in out:
+            entry.deadline = None
+        return out
+
+    def peer_gone(self, p_daemon: str) -> list[RecvExpiry]:
+        """The P incarnation is known dead: nothing of it can land any more."""
+        out = []
+        for entry in [e for e in self.sent_to(p_daemon) if e.state in (RecvState.SENT, RecvState.CANCELLING)]:
+            if entry.state is RecvState.SENT:
+                entry.reason = PEER_LOST
+            self._drop(entry.request_id)
+            kind = PEER_LOST if entry.reason == PEER_LOST else "cancel_unconfirmed"
+            out.append(RecvExpiry(entry, ExpiryAction.FAIL, kind, self.final_reason(entry, gone=True)))
+        return out
+
+    def expire(self, now: float, live_daemons: Container[str]) -> list[RecvExpiry]:
+        """Entries whose timer fired. An overdue SENT entry is not dropped but withdrawn
+        (P may be writing into its blocks); everything else that is overdue is final."""
+        out: list[RecvExpiry] = []
+        for e in [e for e in self.pending.values() if e.deadline is not None and e.deadline <= now]:
+            if e.state is RecvState.SENT:
+                e.state, e.reason = RecvState.CANCELLING, WATCHDOG
+                outcome, _ = self._withdrawn(e, now, e.p_daemon in live_daemons)
+                out.append(RecvExpiry(e, ExpiryAction.CANCEL if outcome is EvictOutcome.CANCEL else ExpiryAction.HOLD))
+                continue
+            self._drop(e.request_id)
+            if e.state is RecvState.PENDING:
+                out.append(RecvExpiry(e, ExpiryAction.FAIL, WATCHDOG, f"watchdog: no push within {self.watchdog_s}s"))
+            elif e.state is RecvState.LANDED:
+                out.append(RecvExpiry(e, ExpiryAction.FAIL, "verify", "verify: P's digests never arrived"))
+            else:
+                kind = PEER_LOST if e.reason == PEER_LOST else "cancel_unconfirmed"
+                out.append(RecvExpiry(e, ExpiryAction.FAIL, kind, self.final_reason(e)))
+        return out
+
+    # ------------------------------------------------------------------ views
+
+    def final_reason(self, entry: PendingRecv, gone: bool = False) -> str:
+        """What the worker reads when a withdrawn registration ends."""
+        peer = entry.remote.engine_id
+        if entry.reason == PEER_LOST:
+            if gone:
+                return f"peer_lost: P daemon {peer} restarted"
+            if entry.deadline is None:
+                return f"peer_lost: the session to P daemon {peer} was lost and P dropped the registration"
+            return f"peer_lost: P daemon {peer} went away; no WRITE landed within {self.cancel_grace_s}s"
+        base = f"watchdog: no push within {self.watchdog_s}s" if entry.reason == WATCHDOG else entry.reason
+        if gone:
+            return f"{base}: P daemon {peer} restarted"
+        if entry.deadline is not None:  # the grace ran out (or P died) before P confirmed
+            return f"{base}: P did not confirm"
+        return base
 
     def tracks(self, request_id: str) -> bool:
         return request_id in self.pending
@@ -83,96 +286,40 @@ class ConsumerTable:
                     return b, rid
         return None
 
-    def add(self, request_id: str, block_ids: list[list[int]], remote: Remote, now: float) -> PendingRecv | None:
-        """Track a registration; ``None`` if the id is already tracked (idempotent)."""
-        if request_id in self.pending:
-            return None
-        expected = max(1, remote.tp_size // max(1, self.local_tp_size))
-        entry = PendingRecv(request_id, block_ids, remote, now + self.watchdog_s, expected)
-        self.pending[request_id] = entry
-        for g, ids in enumerate(block_ids):
-            for b in ids:
-                self._holders.setdefault((g, b), request_id)
-        return entry
-
-    def mark_sent(self, request_id: str) -> bool:
-        entry = self.pending.get(request_id)
-        if entry is None or entry.state is not RecvState.PENDING:
-            return False
-        entry.state = RecvState.SENT
-        return True
-
-    def on_completion(self, request_id: str) -> tuple[CompletionOutcome, PendingRecv | None]:
-        entry = self.pending.get(request_id)
-        if entry is None or entry.state is RecvState.PENDING:
-            return CompletionOutcome.UNKNOWN, None
-        entry.seen += 1
-        if entry.seen < entry.expected:
-            return CompletionOutcome.PARTIAL, entry
-        self._drop(request_id)
-        if entry.state is RecvState.CANCELLING and entry.reason != PEER_LOST:
-            return CompletionOutcome.CANCELLED, entry
-        return CompletionOutcome.DONE, entry
-
-    def fail(self, request_id: str) -> PendingRecv | None:
-        return self._drop(request_id)
-
-    def evict(self, request_id: str, now: float | None = None) -> PendingRecv | None:
-        """Drop a registration P cannot have seen yet; a SENT one becomes CANCELLING
-        (P may be writing into its blocks) and stays until ``fail`` confirms it, or
-        until ``cancel_grace_s`` after ``now`` (when given) runs out."""
-        entry = self.pending.get(request_id)
-        if entry is None or entry.state is RecvState.CANCELLING:
-            return None
-        if entry.state is RecvState.SENT:
-            entry.state = RecvState.CANCELLING
-            if now is not None:
-                entry.deadline = min(entry.deadline, now + self.cancel_grace_s)
-            return entry
-        return self._drop(request_id)
-
-    def orphan(self, request_id: str, now: float) -> PendingRecv | None:
-        """P's daemon went away without being known dead: a WRITE it posted may still
-        land. Hold the blocks (CANCELLING, reason ``peer_lost``) until the WRITE's
-        completion arrives (then the request is done) or ``cancel_grace_s`` runs out."""
-        entry = self.pending.get(request_id)
-        if entry is None or entry.state is RecvState.PENDING:
-            return None
-        if entry.state is RecvState.SENT:
-            entry.reason = PEER_LOST  # a cancelling one keeps why it was cancelled
-        entry.state = RecvState.CANCELLING
-        entry.deadline = min(entry.deadline, now + self.cancel_grace_s)
-        return entry
-
-    def expire(self, now: float) -> list[PendingRecv]:
-        """Overdue entries. A SENT one is not dropped but turned CANCELLING (P may be
-        writing into its blocks) with ``cancel_grace_s`` for P to confirm; the caller
-        tells P. Every other overdue entry is removed: it is final."""
-        overdue = [e for e in self.pending.values() if e.deadline <= now]
-        for e in overdue:
-            if e.state is RecvState.SENT:
-                e.state = RecvState.CANCELLING
-                e.reason = "watchdog"
-                e.deadline = now + self.cancel_grace_s
-            else:
-                self._drop(e.request_id)
-        return overdue
-
     def waiting_on(self, engine_id: str) -> list[PendingRecv]:
         return [e for e in self.pending.values() if e.remote.engine_id == engine_id]
 
-    def next_deadline(self) -> float | None:
-        return min((e.deadline for e in self.pending.values()), default=None)
+    def sent_to(self, p_daemon: str) -> list[PendingRecv]:
+        return [e for e in self.pending.values() if e.p_daemon == p_daemon]
 
     @property
     def busy(self) -> bool:
+        """A registration is out at P (or waits for P's digests): poll promptly."""
         return any(e.state is not RecvState.PENDING for e in self.pending.values())
+
+    @property
+    def unsettled(self) -> bool:
+        """P may still write into some registration's blocks."""
+        return any(e.state in (RecvState.SENT, RecvState.CANCELLING) for e in self.pending.values())
+
+    def hot(self, now: float, hot_max_s: float) -> bool:
+        """P announced a WRITE into this rank less than ``hot_max_s`` ago."""
+        return any(e.announced_at is not None and now - e.announced_at < hot_max_s for e in self.pending.values())
 
     def sizes(self) -> dict[str, int]:
         return {"d_pending": len(self.pending)}
 
     def __repr__(self) -> str:
         return f"<ConsumerTable pending={len(self.pending)}>"
+
+    # ------------------------------------------------------------------ internals
+
+    def _withdrawn(self, entry: PendingRecv, now: float, peer_alive: bool) -> tuple[EvictOutcome, PendingRecv]:
+        if peer_alive:
+            entry.deadline = None
+            return EvictOutcome.CANCEL, entry
+        entry.deadline = now + self.cancel_grace_s
+        return EvictOutcome.HELD, entry
 
     def _drop(self, request_id: str) -> PendingRecv | None:
         entry = self.pending.pop(request_id, None)

@@ -1,41 +1,72 @@
 """P-side matching table: D registrations meet P's finished blocks, in either order.
 
 Pure state. Every method takes ``now`` where time matters and returns what happened;
-the caller (the daemon's push service) does the NIXL and socket I/O.
+the caller (``server/sender.py``) does the NIXL and socket I/O.
 
 Life of a P request::
 
-    staged (blocks, lease) --match--> writing --write_done/write_failed--> gone
-    registration (D's, ttl) --^                    (lease no longer applies: a WRITE
-                                                    in flight is settled, never reaped)
+    staged (blocks, lease) --match--> writing --finish--> gone
+    registration (D's, ttl) --^          (the lease no longer applies: a WRITE in
+                                          flight is settled, never reaped)
 
-Matching tries the exact request id first, then the base id with vLLM's per-engine
-random suffix stripped (see ``ids.base_request_id``).
+**Matching.** A P/D exchange carries a match key minted once for it (by the proxy, or by
+P's connector): when both sides have one, only equal keys match, whatever the request
+ids. Otherwise the ids decide: the exact id first, then the base id with vLLM's
+per-engine random suffix stripped (``ids.base_request_id``), and a base id shared by more
+than one candidate is **ambiguous**: nothing is paired (two exchanges that reused one
+``X-Request-Id`` would otherwise cross: D's request B decoding on P's KV of request A),
+and the arrival and the candidates it collided with are all refused.
+
+**Who owns a registration.** Registrations are keyed by ``(owner, D's request id)``;
+the owner is the D engine the PUSH_REG names, which P checks against the sending agent
+before it writes. A cancellation from an engine touches and tombstones only its own.
+A registration from an agent P does not know yet is *unverified*: it is kept (D's
+``AgentsUpdate`` may still be on its way) but never matched until ``confirm`` says its
+sender checked out.
+
+Every table here is bounded: registrations (``max_registrations``, unverified ones
+``max_unverified``), tombstones and finished keys (``max_tombstones``, oldest dropped).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 
 from pushsvc.protocol.notif import PushReg
 from pushsvc.state.ids import base_request_id
 
+RegKey = tuple[str, str]  # (D engine id, D's request id)
+
 
 @dataclass(slots=True)
 class Registration:
     reg: PushReg
     sender: str  # NIXL agent name the PUSH_REG came from
+    registered_at: float
     expires_at: float
-    # The sender was a known agent of the engine and rank the PUSH_REG names. An
-    # unknown one is kept (D's AgentsUpdate may still be on its way) but yields.
     verified: bool = True
+
+    @property
+    def key(self) -> RegKey:
+        return (self.reg.decode_engine_id, self.reg.request_id)
+
+    @property
+    def request_id(self) -> str:
+        return self.reg.request_id
+
+    @property
+    def match_key(self) -> str:
+        return self.reg.match_key
 
 
 @dataclass(slots=True)
 class Staged:
     request_id: str
     block_ids: list[list[int]]
+    match_key: str
+    staged_at: float
     lease_expires_at: float
 
 
@@ -43,165 +74,295 @@ class Staged:
 class Match:
     """A P request paired with a D registration: ready for handshake and WRITE."""
 
-    request_id: str
-    block_ids: list[list[int]]
+    staged: Staged
     registration: Registration
     matched_at: float
 
     @property
+    def request_id(self) -> str:
+        return self.staged.request_id
+
+    @property
+    def block_ids(self) -> list[list[int]]:
+        return self.staged.block_ids
+
+    @property
     def remote_request_id(self) -> str:
-        return self.registration.reg.request_id
+        return self.registration.request_id
 
 
 class RegOutcome(Enum):
-    STASHED = "stashed"
+    STASHED = "stashed"  # kept until P's blocks come
+    UNVERIFIED = "unverified"  # kept, but its sender must check out (``confirm``) first
     MATCHED = "matched"
     DUPLICATE = "duplicate"
-    CANCELLED = "cancelled"
+    CANCELLED = "cancelled"  # its owner cancelled this id: a PUSH_REG that was still on the way
+    FINISHED = "finished"  # its match key was served (or P's request ended) already
+    AMBIGUOUS = "ambiguous"  # several P requests share its base id: refused with them
+    FULL = "full"  # the table holds as many registrations as it may
 
 
 class StageOutcome(Enum):
     STASHED = "stashed"
     MATCHED = "matched"
     DUPLICATE = "duplicate"
+    AMBIGUOUS = "ambiguous"  # several registrations share its base id: refused with them
+
+
+@dataclass(frozen=True, slots=True)
+class RegResult:
+    outcome: RegOutcome
+    match: Match | None = None
+    # AMBIGUOUS: the staged P requests that collided with it; they are dropped too.
+    collided: tuple[Staged, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StageResult:
+    outcome: StageOutcome
+    match: Match | None = None
+    # AMBIGUOUS: the registrations that collided with it; they are dropped too.
+    collided: tuple[Registration, ...] = ()
+
+
+class ExpiryKind(Enum):
+    LEASE = "lease"  # P blocks nobody registered for: SendFailed to P's worker
+    REGISTRATION = "registration"  # a registration whose blocks never came: dropped
 
 
 @dataclass(frozen=True, slots=True)
 class Expired:
     request_id: str
-    kind: str  # "lease" (P blocks never claimed) or "registration" (D never matched)
+    kind: ExpiryKind
+    reason: str  # final, as the worker or the log should read it
     sender: str = ""
+    owner: str = ""
+
+
+def _id_matchable(a_key: str, b_key: str) -> bool:
+    """Ids may pair two entries unless both carry match keys (then only keys decide)."""
+    return not (a_key and b_key)
 
 
 class _BaseIndex:
-    """base id -> ids that share it, insertion ordered (oldest first)."""
+    """base id -> keys of the entries that share it, insertion ordered."""
 
     __slots__ = ("_map",)
 
     def __init__(self) -> None:
-        self._map: dict[str, list[str]] = {}
+        self._map: dict[str, list] = {}
 
-    def add(self, rid: str) -> None:
-        self._map.setdefault(base_request_id(rid), []).append(rid)
+    def add(self, rid: str, key) -> None:
+        self._map.setdefault(base_request_id(rid), []).append(key)
 
-    def remove(self, rid: str) -> None:
+    def remove(self, rid: str, key) -> None:
         base = base_request_id(rid)
-        ids = self._map.get(base)
-        if ids and rid in ids:
-            ids.remove(rid)
-            if not ids:
+        keys = self._map.get(base)
+        if keys and key in keys:
+            keys.remove(key)
+            if not keys:
                 del self._map[base]
 
-    def first(self, rid: str) -> str | None:
-        ids = self._map.get(base_request_id(rid))
-        return ids[0] if ids else None
+    def get(self, rid: str) -> list:
+        return self._map.get(base_request_id(rid), [])
 
     def __len__(self) -> int:
         return len(self._map)
+
+
+class _Expiring:
+    """Keys remembered until a deadline, at most ``cap`` of them (the oldest go first)."""
+
+    __slots__ = ("_until", "_cap")
+
+    def __init__(self, cap: int) -> None:
+        self._until: OrderedDict = OrderedDict()
+        self._cap = cap
+
+    def add(self, key, until: float) -> None:
+        self._until[key] = until
+        self._until.move_to_end(key)
+        while len(self._until) > self._cap:
+            self._until.popitem(last=False)
+
+    def __contains__(self, key) -> bool:
+        return key in self._until
+
+    def expire(self, now: float) -> None:
+        for key in [k for k, t in self._until.items() if t <= now]:
+            del self._until[key]
+
+    def __len__(self) -> int:
+        return len(self._until)
 
 
 @dataclass
 class ProducerTable:
     lease_s: float
     registration_ttl_s: float
-    registrations: dict[str, Registration] = field(default_factory=dict)  # by D's id
+    # An unverified registration waits at most this long for its sender to be announced
+    # (D's AgentsUpdate travels behind its PUSH_REG by milliseconds, not seconds).
+    unverified_ttl_s: float = 5.0
+    max_registrations: int = 1 << 16
+    max_unverified: int = 1 << 12
+    max_tombstones: int = 1 << 16
+    registrations: dict[RegKey, Registration] = field(default_factory=dict)
     staged: dict[str, Staged] = field(default_factory=dict)  # by P's id
     writing: dict[str, Match] = field(default_factory=dict)  # by P's id
-    _reg_index: _BaseIndex = field(default_factory=_BaseIndex)
-    _staged_index: _BaseIndex = field(default_factory=_BaseIndex)
-    _writing_remote: dict[str, str] = field(default_factory=dict)  # D id -> P id, while writing
-    # D ids whose registration D cancelled: a PUSH_REG still in flight behind the
-    # cancel must not be stashed and written later.
-    cancelled: dict[str, float] = field(default_factory=dict)
+    _reg_base: _BaseIndex = field(default_factory=_BaseIndex)
+    _reg_by_id: dict[str, list[RegKey]] = field(default_factory=dict)
+    _reg_by_key: dict[str, RegKey] = field(default_factory=dict)
+    _staged_base: _BaseIndex = field(default_factory=_BaseIndex)
+    _staged_by_key: dict[str, str] = field(default_factory=dict)
+    _writing_remote: dict[RegKey, str] = field(default_factory=dict)  # while writing: D's key -> P id
+    _unverified: int = 0
+    # (owner, D id) whose registration its owner cancelled: a PUSH_REG still in flight
+    # behind the cancel must not be stashed and written later.
+    cancelled: _Expiring = field(init=False)
+    # Match keys whose P request ended (written, failed, evicted, expired): a later
+    # registration under one (a release, a retry) is answered at once, not stashed.
+    finished_keys: _Expiring = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cancelled = _Expiring(self.max_tombstones)
+        self.finished_keys = _Expiring(self.max_tombstones)
 
     # ------------------------------------------------------------------ inputs
 
-    def add_registration(self, reg: PushReg, sender: str, now: float,
-                         verified: bool = True) -> tuple[RegOutcome, Match | None]:
-        rid = reg.request_id
-        if rid in self.cancelled:
-            return RegOutcome.CANCELLED, None
-        held = self.registrations.get(rid)
+    def add_registration(self, reg: PushReg, sender: str, now: float, verified: bool = True) -> RegResult:
+        key = (reg.decode_engine_id, reg.request_id)
+        if key in self.cancelled:
+            return RegResult(RegOutcome.CANCELLED)
+        held = self.registrations.get(key)
         if held is not None and verified and not held.verified:
             # Whoever can reach our agent can send a PUSH_REG under D's request id
             # first; the one from D's known agent replaces it rather than being
             # dropped as a duplicate, so the id cannot be squatted.
-            self._pop_registration(rid)
-        elif held is not None or rid in self._writing_remote:
-            return RegOutcome.DUPLICATE, None
-        registration = Registration(reg, sender, now + self.registration_ttl_s, verified)
-        local = rid if rid in self.staged else self._staged_index.first(rid)
-        if local is None:
-            self.registrations[rid] = registration
-            self._reg_index.add(rid)
-            return RegOutcome.STASHED, None
-        return RegOutcome.MATCHED, self._start(self._pop_staged(local), registration, now)
+            self._pop_registration(key)
+        elif held is not None or key in self._writing_remote:
+            return RegResult(RegOutcome.DUPLICATE)
+        if reg.match_key and reg.match_key in self.finished_keys:
+            return RegResult(RegOutcome.FINISHED)
+        holder = self.registrations.get(self._reg_by_key.get(reg.match_key, ("", ""))) if reg.match_key else None
+        if holder is not None and verified and not holder.verified:
+            self._pop_registration(holder.key)  # as above: a squatter yields to the known agent
+        elif holder is not None:
+            return RegResult(RegOutcome.DUPLICATE)  # another registration holds this exchange
+        if len(self.registrations) >= self.max_registrations or (
+                not verified and self._unverified >= self.max_unverified):
+            return RegResult(RegOutcome.FULL)
+        ttl = self.registration_ttl_s if verified else min(self.registration_ttl_s, self.unverified_ttl_s)
+        registration = Registration(reg, sender, now, now + ttl, verified)
+        if not verified:
+            self._put_registration(registration)
+            return RegResult(RegOutcome.UNVERIFIED)
+        return self._place_registration(registration, now)
 
-    def add_staged(self, request_id: str, block_ids: list[list[int]], now: float) -> tuple[StageOutcome, Match | None]:
+    def confirm(self, key: RegKey, now: float) -> RegResult:
+        """The sender of an unverified registration checked out: match it now."""
+        registration = self.registrations.get(key)
+        if registration is None or registration.verified:
+            return RegResult(RegOutcome.DUPLICATE)
+        self._pop_registration(key)
+        registration.verified = True
+        registration.expires_at = registration.registered_at + self.registration_ttl_s
+        return self._place_registration(registration, now)
+
+    def drop_unverified(self, owner: str) -> list[Registration]:
+        """Forget the unverified registrations that claim ``owner``: only an announcement
+        within the session they arrived in may confirm them, and that session ended."""
+        gone = [r for r in self.registrations.values() if not r.verified and r.reg.decode_engine_id == owner]
+        for r in gone:
+            self._pop_registration(r.key)
+        return gone
+
+    def counterpart(self, reg: PushReg) -> Staged | None:
+        """The staged P request ``reg`` would pair with, if exactly one (nothing changes)."""
+        found, _ = self._staged_for(Registration(reg, "", 0.0, 0.0))
+        return self.staged[found] if found is not None else None
+
+    def unverified_from(self, senders: set[str]) -> list[Registration]:
+        return [r for r in self.registrations.values() if not r.verified and r.sender in senders]
+
+    def add_staged(self, request_id: str, block_ids: list[list[int]], now: float, match_key: str = "") -> StageResult:
         if request_id in self.staged or request_id in self.writing:
-            return StageOutcome.DUPLICATE, None
-        staged = Staged(request_id, block_ids, now + self.lease_s)
-        remote = request_id if request_id in self.registrations else self._reg_index.first(request_id)
-        if remote is None:
+            return StageResult(StageOutcome.DUPLICATE)
+        staged = Staged(request_id, block_ids, match_key, now, now + self.lease_s)
+        found, collided = self._registration_for(staged)
+        if collided:
+            for r in collided:
+                self._pop_registration(r.key)
+            if match_key:
+                self.finished_keys.add(match_key, now + self.registration_ttl_s)
+            return StageResult(StageOutcome.AMBIGUOUS, collided=collided)
+        if found is None:
             self.staged[request_id] = staged
-            self._staged_index.add(request_id)
-            return StageOutcome.STASHED, None
-        return StageOutcome.MATCHED, self._start(staged, self._pop_registration(remote), now)
+            self._staged_base.add(request_id, request_id)
+            if match_key:
+                self._staged_by_key[match_key] = request_id
+            return StageResult(StageOutcome.STASHED)
+        return StageResult(StageOutcome.MATCHED, self._start(staged, self._pop_registration(found), now))
 
     def tracks(self, request_id: str) -> bool:
         """P blocks of ``request_id`` are staged or being written: a second SendReady
         for it is a duplicate, whatever blocks it names."""
         return request_id in self.staged or request_id in self.writing
 
-    def finish(self, request_id: str) -> Match | None:
+    def finish(self, request_id: str, now: float) -> Match | None:
         """The WRITE for ``request_id`` settled (done or failed): forget it."""
         match = self.writing.pop(request_id, None)
         if match is not None:
-            self._writing_remote.pop(match.remote_request_id, None)
+            self._writing_remote.pop(match.registration.key, None)
+            self._end_key(match.staged.match_key or match.registration.match_key, now)
         return match
 
-    def cancel_registration(self, remote_id: str, now: float) -> Match | None:
-        """D withdrew registration ``remote_id``. Returns the match if P is already
-        writing it (the caller settles that first); otherwise nothing will be written."""
-        self.cancelled[remote_id] = now + self.registration_ttl_s
-        if remote_id in self.registrations:
-            self._pop_registration(remote_id)
+    def cancel_registration(self, owner: str, remote_id: str, now: float) -> Match | None:
+        """``owner`` withdrew its registration ``remote_id``. Returns the match if P is
+        already writing it (the caller settles that first); otherwise nothing will be
+        written. Only ``owner``'s own registration is touched and tombstoned."""
+        key = (owner, remote_id)
+        self.cancelled.add(key, now + self.registration_ttl_s)
+        if key in self.registrations:
+            self._pop_registration(key)
             return None
-        local = self._writing_remote.get(remote_id)
+        local = self._writing_remote.get(key)
         return self.writing[local] if local is not None else None
 
-    def evict(self, request_id: str) -> bool:
+    def evict(self, request_id: str, now: float) -> Staged | None:
         """Drop staged blocks of a P request. A WRITE in flight is not evictable."""
-        if request_id in self.staged:
-            self._pop_staged(request_id)
-            return True
-        return False
+        if request_id not in self.staged:
+            return None
+        staged = self._pop_staged(request_id)
+        self._end_key(staged.match_key, now)
+        return staged
 
     def drop_registrations_from(self, senders: set[str]) -> list[Registration]:
-        """Forget registrations sent by agents of a peer that went away."""
+        """Forget registrations sent by agents that went away."""
         gone = [r for r in self.registrations.values() if r.sender in senders]
         for r in gone:
-            self._pop_registration(r.reg.request_id)
+            self._pop_registration(r.key)
         return gone
+
+    def drop_registration(self, key: RegKey) -> Registration | None:
+        return self._pop_registration(key) if key in self.registrations else None
 
     def expire(self, now: float) -> list[Expired]:
         out: list[Expired] = []
         for rid in [r for r, s in self.staged.items() if s.lease_expires_at <= now]:
-            self._pop_staged(rid)
-            out.append(Expired(rid, "lease"))
-        for rid in [r for r, g in self.registrations.items() if g.expires_at <= now]:
-            reg = self._pop_registration(rid)
-            out.append(Expired(rid, "registration", reg.sender))
-        for rid in [r for r, t in self.cancelled.items() if t <= now]:
-            del self.cancelled[rid]
+            staged = self._pop_staged(rid)
+            self._end_key(staged.match_key, now)
+            out.append(Expired(rid, ExpiryKind.LEASE, "lease expired: no registration"))
+        for key in [k for k, g in self.registrations.items() if g.expires_at <= now]:
+            reg = self._pop_registration(key)
+            why = "its sender never checked out" if not reg.verified else "P's blocks never came"
+            out.append(Expired(reg.request_id, ExpiryKind.REGISTRATION,
+                               f"registration expired after {self.registration_ttl_s}s: {why}",
+                               reg.sender, reg.reg.decode_engine_id))
+        self.cancelled.expire(now)
+        self.finished_keys.expire(now)
         return out
 
     # ------------------------------------------------------------------ views
-
-    def next_deadline(self) -> float | None:
-        times = [s.lease_expires_at for s in self.staged.values()]
-        times += [r.expires_at for r in self.registrations.values()]
-        return min(times) if times else None
 
     @property
     def busy(self) -> bool:
@@ -216,20 +377,95 @@ class ProducerTable:
         }
 
     def __repr__(self) -> str:
-        return f"<ProducerTable {self.sizes()}>"
+        return f"<ProducerTable {self.sizes()} unverified={self._unverified} tombstones={len(self.cancelled)}>"
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ matching
+
+    def _place_registration(self, registration: Registration, now: float) -> RegResult:
+        found, collided = self._staged_for(registration)
+        if collided:
+            for s in collided:
+                self._pop_staged(s.request_id)
+                self._end_key(s.match_key, now)
+            return RegResult(RegOutcome.AMBIGUOUS, collided=collided)
+        if found is None:
+            self._put_registration(registration)
+            return RegResult(RegOutcome.STASHED)
+        return RegResult(RegOutcome.MATCHED, self._start(self._pop_staged(found), registration, now))
+
+    def _staged_for(self, registration: Registration) -> tuple[str | None, tuple[Staged, ...]]:
+        """The staged P request this registration pairs with, or the candidates that
+        make the pairing ambiguous."""
+        key = registration.match_key
+        if key and key in self._staged_by_key:
+            return self._staged_by_key[key], ()
+        rid = registration.request_id
+        exact = self.staged.get(rid)
+        if exact is not None and _id_matchable(exact.match_key, key):
+            return rid, ()
+        candidates = [self.staged[s] for s in self._staged_base.get(rid)
+                      if _id_matchable(self.staged[s].match_key, key)]
+        if len(candidates) > 1:
+            return None, tuple(candidates)
+        return (candidates[0].request_id if candidates else None), ()
+
+    def _registration_for(self, staged: Staged) -> tuple[RegKey | None, tuple[Registration, ...]]:
+        key = staged.match_key
+        if key and key in self._reg_by_key:
+            found = self._reg_by_key[key]
+            if self.registrations[found].verified:
+                return found, ()
+        exact = [k for k in self._reg_by_id.get(staged.request_id, ())
+                 if self._id_candidate(self.registrations[k], key)]
+        if len(exact) == 1:
+            return exact[0], ()
+        candidates = exact or [k for k in self._reg_base.get(staged.request_id)
+                               if self._id_candidate(self.registrations[k], key)]
+        if len(candidates) > 1:
+            return None, tuple(self.registrations[k] for k in candidates)
+        return (candidates[0] if candidates else None), ()
+
+    @staticmethod
+    def _id_candidate(registration: Registration, key: str) -> bool:
+        return registration.verified and _id_matchable(registration.match_key, key)
 
     def _start(self, staged: Staged, registration: Registration, now: float) -> Match:
-        match = Match(staged.request_id, staged.block_ids, registration, now)
+        match = Match(staged, registration, now)
         self.writing[staged.request_id] = match
-        self._writing_remote[registration.reg.request_id] = staged.request_id
+        self._writing_remote[registration.key] = staged.request_id
         return match
 
-    def _pop_staged(self, rid: str) -> Staged:
-        self._staged_index.remove(rid)
-        return self.staged.pop(rid)
+    def _end_key(self, match_key: str, now: float) -> None:
+        if match_key:
+            self.finished_keys.add(match_key, now + self.registration_ttl_s)
 
-    def _pop_registration(self, rid: str) -> Registration:
-        self._reg_index.remove(rid)
-        return self.registrations.pop(rid)
+    def _put_registration(self, registration: Registration) -> None:
+        key = registration.key
+        self.registrations[key] = registration
+        self._reg_base.add(registration.request_id, key)
+        self._reg_by_id.setdefault(registration.request_id, []).append(key)
+        if registration.match_key:
+            self._reg_by_key[registration.match_key] = key
+        if not registration.verified:
+            self._unverified += 1
+
+    def _pop_staged(self, rid: str) -> Staged:
+        staged = self.staged.pop(rid)
+        self._staged_base.remove(rid, rid)
+        if staged.match_key and self._staged_by_key.get(staged.match_key) == rid:
+            del self._staged_by_key[staged.match_key]
+        return staged
+
+    def _pop_registration(self, key: RegKey) -> Registration:
+        registration = self.registrations.pop(key)
+        self._reg_base.remove(registration.request_id, key)
+        ids = self._reg_by_id.get(registration.request_id)
+        if ids is not None:
+            ids.remove(key)
+            if not ids:
+                del self._reg_by_id[registration.request_id]
+        if registration.match_key and self._reg_by_key.get(registration.match_key) == key:
+            del self._reg_by_key[registration.match_key]
+        if not registration.verified:
+            self._unverified -= 1
+        return registration

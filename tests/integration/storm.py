@@ -290,7 +290,13 @@ class Storm:
                 self._check_poison(b, "handed out")
             req.blocks = blocks
         pair.d = req
-        self.live[("d", pair.d_rid)] = req
+        if not req.blocks and not bad:
+            # A release: D's daemon tracks nothing for it and its worker hears nothing;
+            # only P's request ends (released, or by its own fate).
+            req.final, req.owned = "released", False
+            self.outcomes["d:released"] += 1
+        else:
+            self.live[("d", pair.d_rid)] = req
         self._register(pair.d_rid, req.blocks)
         if self._fence_after_register is not None:  # the holder stays live until D read this
             self._fence(self._fence_after_register, "d")

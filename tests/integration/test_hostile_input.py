@@ -175,7 +175,7 @@ def test_deep_nesting_and_unknown_fields_are_refused_and_counted(spawn):
     D = spawn.daemon("hostile")
     sock = _worker_conn(D)
     try:
-        sock.sendall(frame(wp.encode(wp.Hello(engine_id="", rank=3, tp_size=1, role="both"))))
+        sock.sendall(frame(wp.encode(wp.Hello(engine_id="", rank=3, tp_size=4, role="both"))))
         bad = [
             _unknown_first("ping", _deep(100_000, "array")),  # msgspec walks it: RecursionError
             _unknown_first("ping", _deep(100_000, "map")),

@@ -178,11 +178,15 @@ def test_foreign_agent_notifications_are_counted_and_ignored(spawn):
         time.sleep(0.05)
     assert P.metric("pushsvc_malformed_inputs_total", source="notification", reason="push_reg") == 5
     assert P.metric("pushsvc_malformed_inputs_total", source="notification", reason="completion") == 2
-    # The well-formed PUSH_REG from the wrong agent: P blocks for that id cause no WRITE.
+    # The well-formed PUSH_REG from an agent P never heard of waits, unverified, for an
+    # announcement that never comes: P's blocks for that id are not written, and P's
+    # request is not failed for it either (a real D's announcement may be on its way).
+    assert P.metric("pushsvc_notifications_total", kind="push_reg_unverified") == 1
     pw.call("ready", request_id="victim-req", block_ids=[[0, 1]])
-    event = pw.wait("victim-req")
-    assert event["type"] == "SendFailed" and "sender_mismatch" in event["reason"]
+    assert pw.call("wait", request_id="victim-req", timeout=1.0)["event"] is None
     assert P.metric("pushsvc_transfers_total", result="done") == 1
+    pw.call("evict", request_ids=["victim-req"])
+    assert pw.wait("victim-req")["reason"] == "cancelled"
     # The daemon serves real requests as before.
     _recv(dw, P, "after", [3])
     pw.call("ready", request_id="after", block_ids=[[4]])

@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import os
 import shutil
 import socket
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,19 +251,46 @@ class PushPair:
 
     @property
     def p_agent(self) -> str:
-        return self.p.service.ranks[0].agent.name
+        return self.p.service.ranks.current[0].agent.name
 
     @property
     def d_agent(self) -> str:
-        return self.d.service.ranks[0].agent.name
+        return self.d.service.ranks.current[0].agent.name
+
+
+@contextlib.contextmanager
+def secret_file() -> Iterator[str]:
+    """A side-channel secret file, as an operator would create it (mode 0600)."""
+    base = tempfile.mkdtemp(prefix="pss")
+    path = f"{base}/secret"
+    with open(path, "wb") as f:
+        f.write(os.urandom(32).hex().encode())
+    os.chmod(path, 0o600)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @contextlib.asynccontextmanager
 async def push_pair(*, p_blocks: int = 8, d_blocks: int = 16, p_block_len: int = BLOCK_LEN,
                     d_block_len: int = BLOCK_LEN, p_config: dict[str, Any] | None = None,
-                    d_config: dict[str, Any] | None = None) -> AsyncIterator[PushPair]:
-    """Two daemons (P and D) sharing one fake engine, each with one registered worker."""
+                    d_config: dict[str, Any] | None = None, authenticated: bool = False) -> AsyncIterator[PushPair]:
+    """Two daemons (P and D) sharing one fake engine, each with one registered worker;
+    with ``authenticated``, their side channel shares a secret."""
     fake = FakeEngine()
+    with contextlib.ExitStack() as stack:
+        if authenticated:
+            secret = stack.enter_context(secret_file())
+            p_config = {"side_channel_secret_file": secret, **(p_config or {})}
+            d_config = {"side_channel_secret_file": secret, **(d_config or {})}
+        async with _pair(fake, p_blocks, d_blocks, p_block_len, d_block_len, p_config, d_config) as pair:
+            yield pair
+
+
+@contextlib.asynccontextmanager
+async def _pair(fake: FakeEngine, p_blocks: int, d_blocks: int, p_block_len: int, d_block_len: int,
+                p_config: dict[str, Any] | None, d_config: dict[str, Any] | None) -> AsyncIterator[PushPair]:
     async with running_daemon(fake, P_ENGINE, **(p_config or {})) as p, \
             running_daemon(fake, D_ENGINE, **(d_config or {})) as d:
         pw, dw = Worker(p, "producer"), Worker(d, "consumer")

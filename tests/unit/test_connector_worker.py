@@ -117,9 +117,9 @@ async def test_daemon_loss_fails_in_flight_and_reconnects(base, silent_port) -> 
                     break
                 await asyncio.sleep(0.02)
             assert worker.welcome is not None and worker.welcome.daemon_id == again.daemon_id
-            await wait_until(lambda: bool(again.service.ranks) and again.service.ranks[0].ready,
+            await wait_until(lambda: 0 in again.service.ranks.current and again.service.ranks.current[0].ready,
                              "the KV memory to be registered again")
-            assert again.service.ranks[0].buffers[0].size == os.fstat(buf.fd).st_size  # the same memfd
+            assert again.service.ranks.current[0].memory.buffers[0].size == os.fstat(buf.fd).st_size  # the same memfd
         finally:
             await again.shutdown()
     finally:

@@ -74,7 +74,7 @@ async def test_startup_and_shutdown_are_idempotent() -> None:
         await daemon.shutdown()
         assert daemon.stopped
         assert not os.path.exists(daemon.config.socket_path)
-        assert not daemon.service.ranks
+        assert not daemon.service.ranks.all()
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -213,14 +213,16 @@ async def test_shutdown_gives_up_on_a_write_that_never_settles() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_new_incarnation_of_p_frees_blocks_held_for_the_old_one_at_once() -> None:
+async def test_an_authenticated_new_incarnation_of_p_frees_blocks_held_for_the_old_one_at_once() -> None:
     # A long grace, so only P's restart can end the hold within the test.
-    async with push_pair(p_config={"drain_timeout_s": 0.3}, d_config={"peer_timeout_s": 60.0}) as pair:
+    async with push_pair(p_config={"drain_timeout_s": 0.3}, d_config={"peer_timeout_s": 60.0},
+                         authenticated=True) as pair:
         await _held_push(pair)
         await asyncio.wait_for(pair.p.shutdown(), 5.0)
         await wait_until(lambda: pair.d.info()["peers"] == [], "D to see P leave")
         assert pair.d.info()["tables"]["d_pending"] == 1, "held while the old P may still write"
-        async with running_daemon(pair.fake, P_ENGINE) as p2:
+        secret = pair.p.config.side_channel_secret_file
+        async with running_daemon(pair.fake, P_ENGINE, side_channel_secret_file=secret) as p2:
             pw2 = Worker(p2, "producer")
             await pw2.start(8)
             try:

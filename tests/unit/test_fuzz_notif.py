@@ -1,5 +1,5 @@
 """Fuzz the NIXL notification decoders (PUSH_REG and completions) exactly where the
-daemon reads them: ``PushService._drain_notifs`` of a real in-process P/D pair on the
+daemon reads them: ``PushService.drain_notifs`` of a real in-process P/D pair on the
 fake engine, fed by D's own agent (a known peer) and by an agent no daemon knows.
 
 Every notification must end in exactly one of two counters: refused,
@@ -88,8 +88,8 @@ def test_notification_decoders_fuzz(fuzz_cases: int) -> None:
 
     async def run(batch: list[bytes]) -> None:
         rng = random.Random(sum(map(len, batch)))
-        targets = [(pair.p, pair.p.service.ranks[0]), (pair.d, pair.d.service.ranks[0])]
-        senders = [intruder, pair.d.service.ranks[0].agent, pair.p.service.ranks[0].agent]
+        targets = [(pair.p, pair.p.service.ranks.current[0]), (pair.d, pair.d.service.ranks.current[0])]
+        senders = [intruder, pair.d.service.ranks.current[0].agent, pair.p.service.ranks.current[0].agent]
         for daemon, rank in targets:
             for s in senders:
                 if s is not rank.agent:
@@ -100,7 +100,7 @@ def test_notification_decoders_fuzz(fuzz_cases: int) -> None:
             daemon, rank = rng.choice(targets)
             sender = rng.choice([s for s in senders if s is not rank.agent])
             sender.send_notif(rank.agent.name, payload)
-            daemon.service._drain_notifs(rank)  # the daemon's own path: progress() calls it
+            daemon.service.drain_notifs(rank)  # the daemon's own path: progress() calls it
             reason = _reference_reason(payload)
             if reason:
                 expected[id(daemon)][reason] += 1
@@ -136,7 +136,7 @@ def test_notification_decoders_fuzz(fuzz_cases: int) -> None:
         # No notification made P WRITE; D holds nothing; a real push still goes through.
         assert metric(pair.p, "pushsvc_transfers_total", result="done") == writes
         assert metric(pair.p, "pushsvc_transfers_total", result="failed") == 0
-        assert not pair.p.service.ranks[0].inflight
+        assert pair.p.service.writes_in_flight() == 0
         env.run(assert_tables_empty(pair.d))
         env.run(push_once("after-the-fuzz"))
         assert metric(pair.p, "pushsvc_transfers_total", result="done") == writes + 1

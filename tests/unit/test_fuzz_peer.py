@@ -1,5 +1,6 @@
-"""Fuzz the side-channel decoder exactly as a session uses it: ``PeerManager._read`` on
-a real ``asyncio.StreamReader``, during the handshake and after it alike.
+"""Fuzz the side-channel decoder exactly as a session uses it: ``Session.read`` on a
+real ``asyncio.StreamReader``, with the decoder a ``PeerManager`` gives its sessions,
+during the handshake and after it alike.
 
 Every input is a frame: usually its true length and a payload from ``fuzzing`` (valid
 messages, mutated ones, random msgpack, garbage), sometimes a lying length above the
@@ -23,7 +24,8 @@ from pushsvc.errors import MalformedInput
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol.framing import HEADER
-from pushsvc.server.peers import PeerEvents, PeerManager, Session
+from pushsvc.protocol.framing import CountingDecoder
+from pushsvc.server.session import Session
 
 MAX_FRAME = 64 << 20  # the daemon's default max_peer_frame
 LYING = (MAX_FRAME + 1, 2**31, 2**32 - 1)
@@ -33,10 +35,8 @@ LYING = (MAX_FRAME + 1, 2**31, 2**32 - 1)
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Generating overly large repr")]
 
 
-def _manager(metrics: Metrics) -> PeerManager:
-    return PeerManager(daemon_id="fuzz-daemon", engine_id="fuzz", advertised_host="127.0.0.1",
-                       local_agents=list, events=PeerEvents(), metrics=metrics, max_frame=MAX_FRAME,
-                       handshake_timeout_s=5.0, heartbeat_interval_s=1.0, peer_timeout_s=5.0)
+def _frames(metrics: Metrics) -> CountingDecoder:
+    return CountingDecoder(pp.peer_decoder, source="side_channel", max_frame=MAX_FRAME, malformed=metrics.malformed)
 
 
 def _count(metrics: Metrics, reason: str) -> float:
@@ -52,19 +52,20 @@ def _expected(payload: bytes) -> pp.PeerMessage | None:
         return None
 
 
-async def _read_one(manager: PeerManager, data: bytes) -> pp.PeerMessage | BaseException:
+async def _read_one(frames: CountingDecoder, data: bytes) -> pp.PeerMessage | BaseException:
     reader = asyncio.StreamReader()
     reader.feed_data(data)
     reader.feed_eof()
     try:
-        return await manager._read(Session(reader, None, dialed=False))  # type: ignore[arg-type]
+        session = Session(reader, None, dialed=False, frames=frames, max_buffered=0)  # type: ignore[arg-type]
+        return await session.read()
     except MalformedInput as exc:
         return exc
 
 
 def test_side_channel_decoder_fuzz(fuzz_cases: int) -> None:
     metrics = Metrics()
-    manager = _manager(metrics)
+    frames = _frames(metrics)
     loop = asyncio.new_event_loop()
     totals = {"inputs": 0, "accepted": 0, "too_large": 0, "decode": 0}
 
@@ -74,7 +75,7 @@ def test_side_channel_decoder_fuzz(fuzz_cases: int) -> None:
         for payload in batch:
             lying = rng.random() < 0.05
             length = rng.choice(LYING) if lying else len(payload)
-            got = await _read_one(manager, HEADER.pack(length) + payload)
+            got = await _read_one(frames, HEADER.pack(length) + payload)
             expected = None if lying else _expected(payload)
             if lying:
                 assert isinstance(got, MalformedInput) and "exceeds cap" in str(got), (length, payload)

@@ -3,11 +3,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import struct
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +13,15 @@ import pytest
 
 from pushsvc.config import load_config, read_secret_file
 from pushsvc.errors import ConfigError, HandshakeError
-from pushsvc.metrics import Metrics
 from pushsvc.protocol import peer as pp
-from pushsvc.protocol.framing import HEADER, PREAMBLE, check_preamble, encode_preamble, frame
+from pushsvc.protocol.framing import PREAMBLE, check_preamble, encode_preamble, frame
 from pushsvc.protocol.peer_auth import LABEL, MAC_LEN, NONCE_LEN, PeerAuth, Role, proof, transcript
-from pushsvc.server.peers import PeerEvents, PeerManager
+from peer_fixtures import AGENT, Raw, eventually, manager, sample, started
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 OTHER = b"fedcba9876543210fedcba9876543210"
 D_NONCE = bytes(range(32))
 A_NONCE = bytes(range(32, 64))
-WAIT_S = 5.0
 
 # ---------------------------------------------------------------- the MAC (pure)
 
@@ -116,7 +111,7 @@ def test_auth_messages_reject_invalid(raw: dict[str, Any]) -> None:
 
 
 def test_minor_bumped_for_auth_messages() -> None:
-    assert (pp.MAJOR, pp.MINOR) == (1, 1) and pp.AUTH_MINOR == 1
+    assert (pp.MAJOR, pp.MINOR) == (1, 2) and pp.AUTH_MINOR == 1 and pp.MATCH_KEY_MINOR == 2
 
 
 # ---------------------------------------------------------------- the secret file
@@ -187,50 +182,6 @@ def test_load_config_checks_the_secret_file(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- two managers on loopback
 
 
-class Events(PeerEvents):
-    def __init__(self) -> None:
-        self.up: list[str] = []
-
-    def peer_up(self, peer: Any, new_agents: list[pp.AgentInfo]) -> None:
-        self.up.append(peer.engine_id)
-
-
-AGENT = pp.AgentInfo(rank=0, tp_size=1, agent_name="x/r0", metadata=b"NIXL-METADATA" * 8,
-                     regions=[pp.RegionInfo(base=0x7F0000000000, block_len=4096, num_blocks=16)])
-
-
-def manager(engine_id: str, secret: bytes | None, **overrides: Any) -> tuple[PeerManager, Metrics, Events]:
-    metrics, events = Metrics(), Events()
-    opts: dict[str, Any] = dict(max_frame=1 << 20, handshake_timeout_s=WAIT_S, heartbeat_interval_s=1.0,
-                                peer_timeout_s=5.0)
-    opts.update(overrides)
-    mgr = PeerManager(daemon_id=f"{engine_id}-daemon-id", engine_id=engine_id, advertised_host="127.0.0.1",
-                      local_agents=lambda: [AGENT], events=events, metrics=metrics, secret=secret, **opts)
-    return mgr, metrics, events
-
-
-@contextlib.asynccontextmanager
-async def started(*mgrs: PeerManager) -> AsyncIterator[None]:
-    try:
-        for m in mgrs:
-            await m.start("127.0.0.1", 0)
-        yield
-    finally:
-        for m in mgrs:
-            await m.close()
-
-
-def sample(metrics: Metrics, name: str, **labels: str) -> float:
-    return metrics.registry.get_sample_value(name, labels) or 0.0
-
-
-async def eventually(predicate: Any, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + WAIT_S
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, what
-        await asyncio.sleep(0.005)
-
-
 @pytest.mark.asyncio
 async def test_same_secret_handshake_succeeds() -> None:
     p, pm, pe = manager("prefill", SECRET)
@@ -275,31 +226,6 @@ async def test_auth_required_error_names_the_cause() -> None:
 
 
 # ---------------------------------------------------------------- raw clients
-
-
-class Raw:
-    """A hand-driven side-channel client."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def connect(cls, port: int) -> Raw:
-        return cls(*await asyncio.open_connection("127.0.0.1", port))
-
-    def send(self, msg: msgspec.Struct) -> None:
-        self.writer.write(frame(pp.encode(msg)))
-
-    async def read_msg(self) -> pp.PeerMessage:
-        (length,) = HEADER.unpack(await asyncio.wait_for(self.reader.readexactly(HEADER.size), WAIT_S))
-        return pp.peer_decoder.decode(await asyncio.wait_for(self.reader.readexactly(length), WAIT_S))
-
-    async def rest(self) -> bytes:
-        """Everything else the daemon sends until it closes the connection."""
-        return await asyncio.wait_for(self.reader.read(), WAIT_S)
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 def _hello(daemon_id: str = "intruder-daemon") -> pp.PeerHello:

@@ -472,7 +472,10 @@ async def test_empty_registration_releases_p_without_writing() -> None:
         pair.dw.send(wp.RegisterRecv(request_id=D_ID, local_block_ids=[], remote_engine_id=pair.p.config.engine_id,
                                      remote_host="127.0.0.1", remote_port=pair.p.service.peers.port))
         assert isinstance(await pair.pw.wait_for((wp.SendDone, wp.SendFailed), P_ID), wp.SendDone)
-        assert isinstance(await pair.dw.wait_for((wp.RecvDone, wp.RecvFailed), D_ID), wp.RecvDone)
+        # A release is fire and forget: D tracks nothing for it and its worker waits
+        # for no answer, so nothing is left behind for a watchdog either.
+        assert tables(pair, "d")["d_pending"] == 0
+        await pair.dw.quiet_for(0.1)
         assert metric(pair.p, "pushsvc_transfers_total", result="released") == 1
         assert metric(pair.p, "pushsvc_transfers_total", result="done") == 0
         assert np.array_equal(pair.dw.snapshot(), before)
@@ -489,7 +492,7 @@ async def test_describe_names_the_daemon_without_registering_a_worker() -> None:
         welcome = await asyncio.to_thread(describe_daemon, pair.p.config.socket_path)
         assert welcome.engine_id == pair.p.config.engine_id
         assert welcome.side_channel_port == pair.p.service.peers.port
-        assert sorted(pair.p.service.ranks) == [0]  # still only the real worker
+        assert sorted(pair.p.service.ranks.current) == [0]  # still only the real worker
 
 
 @pytest.mark.asyncio

@@ -193,7 +193,7 @@ async def test_pending_cap_drops_the_oldest_and_a_real_worker_still_gets_in() ->
             await good.ping(1)
             # The worker's hello pushed out one more idle connection, never itself.
             assert metric(d, "pushsvc_rejected_connections_total", listener="unix", reason="pending_overflow") == 7
-            assert len(d.workers.pending) == 3 and d.service.ranks[0].conn is not None
+            assert len(d.workers.pending) == 3 and d.service.ranks.current[0].conn is not None
         finally:
             for conn in idle:
                 conn.close()
@@ -261,7 +261,8 @@ async def test_oversized_length_prefix_closes_without_buffering() -> None:
         assert "exceeds" in said[0].message
         assert metric(d, "pushsvc_malformed_inputs_total", source="worker", reason="frame") == 1
         await wait_until(lambda: not d.workers.conns, "the connection to be forgotten")
-        assert d.service.ranks[0].conn is None
+        # The rank retired with its connection and, with nothing in flight, was released.
+        assert 0 not in d.service.ranks.current and not d.service.ranks.retiring
 
 
 @pytest.mark.asyncio
@@ -294,7 +295,7 @@ async def test_message_before_hello_closes(payload: bytes) -> None:
         finally:
             conn.close()
         assert [type(m) for m in said] == [wp.Error]
-        assert not d.service.ranks, "no rank exists without a hello"
+        assert not d.service.ranks.all(), "no rank exists without a hello"
 
 
 # ---------------------------------------------------------------- hello and registration
@@ -312,7 +313,7 @@ async def test_hello_with_wrong_engine_id_is_refused() -> None:
             conn.close()
         assert [type(m) for m in said] == [wp.Error]
         assert "engine id" in said[0].message
-        assert not d.service.ranks
+        assert not d.service.ranks.all()
         client = DaemonClient(d.config.socket_path, engine_id="someone-else", rank=0, tp_size=1, role="both",
                               timeout_s=WAIT_S)
         try:
@@ -355,7 +356,7 @@ async def test_register_kv_with_fd_count_mismatch_is_an_error(count: int, sent: 
             assert isinstance(error, wp.Error)
             assert f"expected {count} fds, got {sent}" in error.message
             assert open_fds() == before, "the daemon must close fds it did not accept"
-            assert not d.service.ranks[0].ready
+            assert not d.service.ranks.current[0].ready
             await conn.send_msg(wp.Ping(token=5))
             assert await conn.recv_msg() == wp.Pong(token=5)
         finally:
@@ -372,7 +373,7 @@ async def test_second_worker_for_a_connected_rank_is_refused() -> None:
             await first.start(4)
             with pytest.raises(PushsvcError):
                 await second.connect()
-            assert d.service.ranks[0].conn is not None
+            assert d.service.ranks.current[0].conn is not None
             assert d.info()["agents"][0]["registered"]
             await first.ping(3)
         finally:
@@ -388,7 +389,7 @@ async def test_rank_can_reconnect_after_its_worker_left() -> None:
             await first.connect()
         finally:
             first.close()
-        await wait_until(lambda: d.service.ranks[0].conn is None, "the daemon to notice the worker left")
+        await wait_until(lambda: 0 not in d.service.ranks.current, "the daemon to notice the worker left")
         again = Worker(d, "both")
         try:
             await again.connect()
@@ -473,7 +474,7 @@ async def test_hello_without_engine_id_takes_the_daemons() -> None:
         try:
             welcome = await asyncio.to_thread(client.connect)
             assert welcome.engine_id == d.config.engine_id
-            assert d.service.ranks[0].engine_id == d.config.engine_id
+            assert d.service.ranks.current[0].agent.name.startswith(f"{d.config.engine_id}/r0/")
         finally:
             client.close()
 

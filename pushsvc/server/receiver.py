@@ -1,0 +1,435 @@
+"""D's side: registrations out (PUSH_REG), completions in, withdrawals settled.
+
+One ``ConsumerTable`` per ``Rank``. A registration goes out as soon as P's daemon is
+known; otherwise the handshake runs in its own task, so no other request waits behind
+it. The blocks of a registration P may be writing into are reported (``RecvFailed``)
+only once no WRITE can land in them: P confirmed, the WRITE's completion came, P is
+known dead, or P has been lost for the grace (``state/consumer.py``).
+
+An empty registration only releases P's blocks (D's request ended before it was ever
+scheduled): its PUSH_REG goes out and nothing is tracked, nobody waits for an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from pushsvc.config import Config
+from pushsvc.errors import HandshakeError, LayoutError, ProtocolError, TransferError
+from pushsvc.metrics import Metrics
+from pushsvc.protocol import notif
+from pushsvc.protocol import peer as pp
+from pushsvc.protocol import worker as wp
+from pushsvc.server.outbox import Outbox
+from pushsvc.server.peers import Peer, PeerLink
+from pushsvc.server.ranks import Rank
+from pushsvc.server.tasks import TaskSet
+from pushsvc.server.verify import count_mismatches, digest_blocks
+from pushsvc.state.consumer import (
+    CompletionOutcome,
+    ConsumerTable,
+    EvictOutcome,
+    ExpiryAction,
+    PendingRecv,
+    RecvExpiry,
+    RecvState,
+    Remote,
+)
+from pushsvc.state.layout import check_block_ids, dest_indices
+
+log = structlog.get_logger("pushsvc.receiver")
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveSettings:
+    engine_id: str
+    daemon_id: str
+    advertised_host: str
+    watchdog_s: float
+    peer_timeout_s: float  # the grace a lost P's WRITEs get, and the wait for late digests
+    verify: bool
+
+    @classmethod
+    def of(cls, config: Config, daemon_id: str) -> ReceiveSettings:
+        return cls(config.engine_id, daemon_id, config.advertised_host, config.watchdog_s, config.peer_timeout_s,
+                   config.verify)
+
+
+class Receiver:
+    def __init__(self, *, settings: ReceiveSettings, outbox: Outbox, peers: PeerLink, metrics: Metrics,
+                 tasks: TaskSet, wake: Callable[[], None]) -> None:
+        self._settings = settings
+        self._outbox = outbox
+        self._peers = peers
+        self._metrics = metrics
+        self._tasks = tasks
+        self._wake = wake
+        self._tables: dict[Rank, ConsumerTable] = {}
+
+    def _of(self, rank: Rank) -> ConsumerTable:
+        table = self._tables.get(rank)
+        if table is None:
+            s = self._settings
+            table = self._tables[rank] = ConsumerTable(s.watchdog_s, rank.tp_size, s.peer_timeout_s, s.peer_timeout_s)
+        return table
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    # ------------------------------------------------------------------ from the worker
+
+    def on_register_recv(self, rank: Rank, msg: wp.RegisterRecv, predecessors: list[Rank]) -> None:
+        """``predecessors``: retiring ranks of the same worker process, whose blocks are
+        this rank's blocks too."""
+        rid = msg.request_id
+        table = self._of(rank)
+        bound = log.bind(request_id=rid, rank=rank.number, peer=msg.remote_engine_id)
+        if table.tracks(rid):
+            # Checked before the blocks: a refusal would answer RecvFailed for the
+            # live request, and its worker would reuse blocks P may still write into.
+            self._metrics.duplicates.labels("registration").inc()
+            bound.info("recv_duplicate")
+            return
+        reason = self._refusal(rank, msg, predecessors)
+        if reason:
+            self._metrics.malformed.labels("worker", "registration").inc()
+            bound.warning("recv_rejected", phase="register", error=reason)
+            self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=_flat(msg.local_block_ids), reason=reason))
+            return
+        remote = Remote(msg.remote_engine_id, msg.remote_host, msg.remote_port, msg.remote_tp_size)
+        if not any(msg.local_block_ids):
+            self._release(rank, msg, remote)
+            return
+        entry = table.add(rid, msg.local_block_ids, remote, self._now(), msg.match_key)
+        assert entry is not None  # duplicates were answered above
+        peer = self._peers.find_engine(remote.engine_id)
+        if peer is not None:
+            self._send_push_reg(rank, entry, peer)
+        else:
+            self._tasks.spawn(self._register_with_peer(rank, entry))
+
+    def _refusal(self, rank: Rank, msg: wp.RegisterRecv, predecessors: list[Rank]) -> str:
+        if rank.memory is None:
+            return "no KV memory registered for this rank"
+        if msg.remote_tp_size != rank.tp_size:
+            return f"P TP {msg.remote_tp_size} != D TP {rank.tp_size} is not supported"
+        try:
+            check_block_ids(rank.memory.layout, msg.local_block_ids, "registration")
+        except LayoutError as exc:
+            return str(exc)
+        for r in [rank, *predecessors]:
+            held = self._of(r).holder(msg.local_block_ids)
+            if held is not None:
+                return f"registration: block {held[0]} is held by live request {held[1]}"
+        return ""
+
+    def _release(self, rank: Rank, msg: wp.RegisterRecv, remote: Remote) -> None:
+        """Fire and forget: tell P to free the blocks it holds for ``msg``."""
+        entry = PendingRecv(msg.request_id, [], remote, self._now(), None, 1, msg.match_key)
+        peer = self._peers.find_engine(remote.engine_id)
+        if peer is not None:
+            self._push_reg(rank, entry, peer)
+        else:
+            self._tasks.spawn(self._release_after_handshake(rank, entry))
+
+    async def _release_after_handshake(self, rank: Rank, entry: PendingRecv) -> None:
+        r = entry.remote
+        try:
+            self._push_reg(rank, entry, await self._peers.ensure(r.host, r.port, r.engine_id))
+        except (HandshakeError, TransferError) as exc:
+            log.info("release_unsent", request_id=entry.request_id, peer=r.engine_id, error=str(exc))
+
+    async def _register_with_peer(self, rank: Rank, entry: PendingRecv) -> None:
+        r = entry.remote
+        try:
+            peer = await self._peers.ensure(r.host, r.port, r.engine_id)
+        except HandshakeError as exc:
+            self._fail(rank, entry.request_id, "handshake_failed", str(exc))
+            return
+        if self._of(rank).pending.get(entry.request_id) is entry:  # not evicted meanwhile
+            self._send_push_reg(rank, entry, peer)
+
+    def _send_push_reg(self, rank: Rank, entry: PendingRecv, peer: Peer) -> None:
+        try:
+            agent = self._push_reg(rank, entry, peer)
+        except TransferError as exc:
+            self._fail(rank, entry.request_id, "push_reg_send_failed", str(exc))
+            return
+        except HandshakeError as exc:
+            self._fail(rank, entry.request_id, "handshake_failed", str(exc))
+            return
+        self._of(rank).mark_sent(entry.request_id, peer.daemon_id, agent)
+        self._wake()
+
+    def _push_reg(self, rank: Rank, entry: PendingRecv, peer: Peer) -> str:
+        """Send ``entry``'s PUSH_REG to ``peer``'s agent of this rank; return that agent."""
+        target = peer.agent_for_rank(rank.number)
+        if target is None:
+            raise HandshakeError(f"peer {peer.engine_id} has no rank {rank.number}")
+        s = self._settings
+        reg = notif.PushReg(
+            request_id=entry.request_id,
+            decode_engine_id=s.engine_id,
+            decode_host=s.advertised_host,
+            decode_port=self._peers.port,
+            decode_tp_size=rank.tp_size,
+            local_block_ids=entry.block_ids,
+            remote_engine_id=entry.remote.engine_id,
+            remote_host=entry.remote.host,
+            remote_port=entry.remote.port,
+            remote_tp_size=entry.remote.tp_size,
+            decode_rank=rank.number,
+            decode_daemon_id=s.daemon_id,
+            # An older P refuses a field it does not know: set it only where P's minor says.
+            match_key=entry.match_key if peer.minor >= pp.MATCH_KEY_MINOR else "",
+        )
+        rank.agent.send_notif(target.agent_name, notif.encode_push_reg(reg))
+        return target.agent_name
+
+    def evict(self, ranks: list[Rank], rid: str) -> None:
+        """The worker withdrew ``rid`` (from any of its ranks: a reconnected worker
+        withdraws what it registered on its old connection too). Its blocks are given
+        back once P can no longer write into them."""
+        for rank in ranks:
+            table = self._tables.get(rank)
+            entry = table.pending.get(rid) if table is not None else None
+            if entry is None:
+                continue
+            outcome, entry = table.evict(rid, self._now(), entry.p_daemon in self._peers.live_daemons())
+            if entry is None:
+                return
+            log.info("recv_cancelled", request_id=rid, rank=rank.number, peer=entry.remote.engine_id,
+                     waiting_for_p=outcome is not EvictOutcome.FINAL, outcome=outcome.value)
+            if outcome is EvictOutcome.FINAL:
+                self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
+                                                      reason="cancelled"))
+            elif outcome is EvictOutcome.CANCEL:
+                self._request_cancel(rank, entry)
+            return
+
+    def worker_detached(self, rank: Rank) -> None:
+        """The worker's connection closed. Its registrations are withdrawn; those P may
+        be writing into stay held until P confirms (the same process may connect again
+        and hear how they ended)."""
+        table = self._tables.get(rank)
+        for rid in list(table.pending) if table is not None else ():
+            self.evict([rank], rid)
+
+    # ------------------------------------------------------------------ from P
+
+    def on_completion(self, rank: Rank, sender: str, payload: bytes) -> None:
+        try:
+            rid, _tp = notif.decode_completion(payload)
+        except ProtocolError as exc:
+            self._malformed("notification", "completion", sender, exc)
+            return
+        table = self._of(rank)
+        entry = table.pending.get(rid)
+        if entry is not None and entry.p_agent and entry.p_agent != sender:
+            self._malformed("notification", "foreign_completion", sender,
+                            ProtocolError("sender is not the agent the registration went to"))
+            return
+        outcome, entry = table.on_completion(rid, sender, self._now(), self._settings.verify)
+        if outcome is CompletionOutcome.UNKNOWN or entry is None:
+            self._metrics.notifications.labels("late_completion").inc()
+            log.info("completion_ignored", request_id=rid, peer=sender, reason="unknown or late")
+            return
+        self._metrics.notifications.labels("completion").inc()
+        log.debug("completion", request_id=rid, peer=sender, outcome=outcome.value)
+        if outcome is CompletionOutcome.CANCELLED:
+            self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
+                                                  reason=table.final_reason(entry)))
+        elif outcome is CompletionOutcome.DONE:
+            self._done(rank, entry)
+        elif outcome is CompletionOutcome.VERIFY:
+            self._verified(rank, entry)
+
+    def write_started(self, peer: Peer, msg: pp.WriteStarted, ranks: list[Rank]) -> None:
+        for rank in ranks:
+            table = self._tables.get(rank)
+            if table is None or table.sent_by(msg.request_id, peer.daemon_id) is None:
+                continue
+            landed = table.announce(msg.request_id, peer.daemon_id, msg.digests, self._now(), self._settings.verify)
+            if landed is not None:  # the completion overtook the digests
+                self._verified(rank, landed)
+            else:
+                log.debug("write_announced", request_id=msg.request_id, peer=peer.engine_id, bytes=msg.nbytes)
+                self._wake()
+            return
+
+    def push_failed(self, peer: Peer, msg: pp.PushFailed, ranks: list[Rank]) -> None:
+        for rank in ranks:
+            table = self._tables.get(rank)
+            if table is not None and table.sent_by(msg.request_id, peer.daemon_id) is not None:
+                self._fail(rank, msg.request_id, "push_failed_remote", msg.reason)
+                return
+        self._metrics.malformed.labels("side_channel", "unknown_push_failed").inc()
+
+    def push_cancelled(self, peer: Peer, msg: pp.PushCancelled, ranks: list[Rank]) -> None:
+        for rank in ranks:
+            table = self._tables.get(rank)
+            entry = table.sent_by(msg.request_id, peer.daemon_id) if table is not None else None
+            if entry is None or entry.state is not RecvState.CANCELLING:
+                continue  # the WRITE's completion got here first: already final
+            table.fail(msg.request_id)
+            self._outbox.tell(rank, wp.RecvFailed(request_id=msg.request_id, block_ids=entry.flat_block_ids,
+                                                  reason=table.final_reason(entry)))
+            return
+
+    # ------------------------------------------------------------------ endings
+
+    def _done(self, rank: Rank, entry: PendingRecv) -> None:
+        self._metrics.recv_seconds.observe(self._now() - entry.registered_at)
+        self._outbox.tell(rank, wp.RecvDone(request_id=entry.request_id))
+
+    def _verified(self, rank: Rank, entry: PendingRecv) -> None:
+        """Every WRITE landed and P's digests are here: compare D's blocks with them."""
+        error = self._verify(rank, entry, entry.digests or b"")
+        if not error:
+            self._done(rank, entry)
+            return
+        self._metrics.failures.labels("verify").inc()
+        log.error("verify_failed", request_id=entry.request_id, rank=rank.number, peer=entry.remote.engine_id,
+                  error=error)
+        self._outbox.tell(rank, wp.RecvFailed(request_id=entry.request_id, block_ids=entry.flat_block_ids,
+                                              reason=f"verify: {error}"))
+
+    def _verify(self, rank: Rank, entry: PendingRecv, expected: bytes) -> str:
+        """'' if D's blocks equal P's, else what is wrong."""
+        if not expected:
+            self._metrics.verified.labels("missing").inc()
+            return "P sent no digests (is P's daemon running with verify on?)"
+        assert rank.memory is not None
+        actual = digest_blocks(rank.memory.descs, dest_indices(rank.memory.layout, entry.block_ids))
+        bad = count_mismatches(expected, actual)
+        total = len(actual) // 8
+        self._metrics.verified_blocks.labels("mismatch").inc(bad)
+        self._metrics.verified_blocks.labels("identical").inc(max(0, total - bad))
+        self._metrics.verified.labels("mismatch" if bad else "identical").inc()
+        return f"{bad} of {total} blocks differ from P's" if bad else ""
+
+    def _fail(self, rank: Rank, rid: str, kind: str, reason: str) -> None:
+        entry = self._of(rank).fail(rid)
+        if entry is None:
+            return
+        self._metrics.failures.labels(kind).inc()
+        log.warning("recv_failed", request_id=rid, rank=rank.number, peer=entry.remote.engine_id, kind=kind,
+                    error=reason)
+        self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
+                                              reason=f"{kind}: {reason}"))
+
+    def _final(self, rank: Rank, exp: RecvExpiry) -> None:
+        entry = exp.entry
+        self._metrics.failures.labels(exp.kind).inc()
+        if exp.kind == "watchdog":
+            self._metrics.watchdog_expired.inc()
+        if exp.kind == "verify":
+            self._metrics.verified.labels("missing").inc()
+        log.warning("recv_failed", request_id=entry.request_id, rank=rank.number, peer=entry.remote.engine_id,
+                    kind=exp.kind, error=exp.reason)
+        self._outbox.tell(rank, wp.RecvFailed(request_id=entry.request_id, block_ids=entry.flat_block_ids,
+                                              reason=exp.reason))
+
+    def _request_cancel(self, rank: Rank, entry: PendingRecv) -> None:
+        peer = self._peers.find_engine(entry.remote.engine_id)
+        if peer is None or peer.daemon_id != entry.p_daemon or not self._peers.send(
+                peer, pp.CancelPush(request_id=entry.request_id, rank=rank.number)):
+            # P cannot confirm, but a WRITE it posted may still land: the blocks stay
+            # held until P's loss is noticed and its grace ends (or the WRITE completes).
+            log.warning("cancel_unsent", request_id=entry.request_id, rank=rank.number, peer=entry.remote.engine_id,
+                        reason="P daemon unreachable")
+
+    # ------------------------------------------------------------------ peers, timers
+
+    def expire(self, now: float) -> None:
+        live = self._peers.live_daemons()
+        for rank, table in list(self._tables.items()):
+            for exp in table.expire(now, live):
+                entry = exp.entry
+                if exp.action is ExpiryAction.FAIL:
+                    self._final(rank, exp)
+                    continue
+                self._metrics.watchdog_expired.inc()
+                log.warning("watchdog_expired", request_id=entry.request_id, rank=rank.number,
+                            peer=entry.remote.engine_id, phase="cancelling", waiting_for_p=True)
+                if exp.action is ExpiryAction.CANCEL:
+                    self._request_cancel(rank, entry)
+
+    def peer_up(self, peer: Peer) -> None:
+        """A lost P incarnation is back: it dropped what it held for us, so the
+        registrations held for it are cancelled (and freed once it confirms)."""
+        for rank, table in self._tables.items():
+            for entry in table.peer_back(peer.daemon_id):
+                self._request_cancel(rank, entry)
+
+    def peer_down(self, peer: Peer) -> None:
+        now = self._now()
+        for rank, table in self._tables.items():
+            # A P known dead writes nothing more; one that went silent or closed may
+            # still have a WRITE on the way, so its blocks are held until the WRITE's
+            # completion or the grace, never handed back while bytes may land.
+            for entry in table.peer_lost(peer.daemon_id, now):
+                log.warning("recv_held_for_lost_peer", request_id=entry.request_id, rank=rank.number,
+                            peer=peer.engine_id, until_s=round((entry.deadline or now) - now, 3))
+        if peer.gone:
+            self.peer_gone(peer)
+
+    def peer_gone(self, peer: Peer) -> None:
+        """The P incarnation D held blocks for is dead: no WRITE of it can land now."""
+        for rank, table in self._tables.items():
+            for exp in table.peer_gone(peer.daemon_id):
+                self._final(rank, exp)
+
+    # ------------------------------------------------------------------ views
+
+    def settled(self, rank: Rank) -> bool:
+        table = self._tables.get(rank)
+        return table is None or not table.unsettled
+
+    def unsettled(self) -> int:
+        """Registrations P may still write into, over every rank."""
+        return sum(1 for t in self._tables.values() for e in t.pending.values()
+                   if e.state in (RecvState.SENT, RecvState.CANCELLING))
+
+    def busy(self, rank: Rank) -> bool:
+        table = self._tables.get(rank)
+        return table is not None and table.busy
+
+    def hot(self, rank: Rank, now: float, hot_max_s: float) -> bool:
+        table = self._tables.get(rank)
+        return table is not None and table.hot(now, hot_max_s)
+
+    def sizes(self, rank: Rank) -> dict[str, int]:
+        table = self._tables.get(rank)
+        return table.sizes() if table is not None else {"d_pending": 0}
+
+    def empty(self, rank: Rank) -> bool:
+        table = self._tables.get(rank)
+        return table is None or not table.pending
+
+    def abandon(self, rank: Rank, reason: str) -> None:
+        """The daemon stops with ``rank``'s agent closed (nothing can land any more):
+        report every registration still tracked."""
+        table = self._tables.get(rank)
+        for rid in list(table.pending) if table is not None else ():
+            entry = table.fail(rid)
+            assert entry is not None
+            self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids, reason=reason))
+
+    def forget(self, rank: Rank) -> None:
+        self._tables.pop(rank, None)
+
+    def _malformed(self, source: str, reason: str, sender: str, exc: Exception) -> None:
+        self._metrics.malformed.labels(source, reason).inc()
+        log.warning("malformed_input", source=source, reason=reason, peer=sender, error=str(exc)[:200])
+
+    def __repr__(self) -> str:
+        return f"<Receiver ranks={len(self._tables)} unsettled={self.unsettled()}>"
+
+
+def _flat(block_ids: list[list[int]]) -> list[int]:
+    return [b for g in block_ids for b in g]

@@ -1,0 +1,101 @@
+"""The remote agents one local agent has loaded: NIXL metadata, prepared descriptor
+lists, and whether each remote's layout fits ours.
+
+Loading a remote costs a NIXL ``add_remote_agent`` and the preparation of one
+descriptor per remote block, on the event loop: a remote describing more blocks than
+``max_descriptors`` is refused before anything is built (a 711-byte hello once asked
+for 768 GiB of descriptors). A remote that failed to load, or whose layout does not fit,
+keeps its error, which every WRITE to it then reports.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from pushsvc.engine.base import Agent, DListHandle
+from pushsvc.errors import LayoutError, TransferError
+from pushsvc.protocol.peer import AgentInfo
+from pushsvc.state.layout import Layout, RegionSpec, check_compatible, descriptor_table
+
+log = structlog.get_logger("pushsvc.remotes")
+
+
+def layout_of_agent(info: AgentInfo) -> Layout:
+    """A remote agent's layout, as its daemon described it in the hello."""
+    return Layout(
+        tuple(RegionSpec(r.base, r.block_len, r.num_blocks, r.stride, r.group) for r in info.regions),
+        info.blocks_per_logical,
+    )
+
+
+class RemoteAgents:
+    def __init__(self, agent: Agent, max_descriptors: int) -> None:
+        self._agent = agent
+        self._max = max_descriptors
+        self._dlists: dict[str, DListHandle] = {}  # remote agent -> prepared list
+        self._verdicts: dict[str, str] = {}  # remote agent -> "" (fits) or why not
+
+    def load(self, info: AgentInfo) -> None:
+        """Load ``info`` unless it is loaded already; a failure is kept as its verdict."""
+        name = info.agent_name
+        if name in self._dlists:
+            return
+        loaded = ""
+        try:
+            blocks = sum(r.num_blocks for r in info.regions)
+            if blocks > self._max:
+                raise LayoutError(f"describes {blocks} blocks, over the limit of {self._max}")
+            loaded = self._agent.add_remote(info.metadata)
+            if loaded != name:
+                raise TransferError(f"metadata names agent {loaded}, hello said {name}")
+            self._dlists[name] = self._agent.prep_remote(name, descriptor_table(layout_of_agent(info)), info.mem_type)
+            self._verdicts.pop(name, None)
+        except (TransferError, LayoutError, MemoryError) as exc:
+            if loaded and loaded not in self._dlists:
+                try:  # loaded, but unusable: do not keep NIXL's copy either
+                    self._agent.remove_remote(loaded)
+                except TransferError:
+                    pass
+            self._verdicts[name] = f"cannot load remote agent: {exc}"
+            log.warning("remote_agent_load_failed", local=self._agent.name, agent=name, error=str(exc))
+
+    def layout(self, info: AgentInfo, local: Layout) -> Layout:
+        """The remote's layout, checked against ``local`` once per remote agent."""
+        name = info.agent_name
+        verdict = self._verdicts.get(name)
+        remote = layout_of_agent(info)
+        if verdict is None:
+            try:
+                check_compatible(local, remote)
+                if name not in self._dlists:
+                    raise LayoutError(f"agent {name} was not loaded")
+                verdict = ""
+            except LayoutError as exc:
+                verdict = str(exc)
+            self._verdicts[name] = verdict
+        if verdict:
+            raise LayoutError(verdict)
+        return remote
+
+    def dlist(self, name: str) -> DListHandle:
+        return self._dlists[name]
+
+    def names(self) -> list[str]:
+        return list(self._dlists)
+
+    def unload(self, name: str) -> None:
+        handle = self._dlists.pop(name, None)
+        self._verdicts.pop(name, None)
+        if handle is None:
+            return
+        try:
+            self._agent.release_dlist(handle)
+            self._agent.remove_remote(name)
+        except TransferError as exc:
+            log.warning("remote_agent_unload_failed", local=self._agent.name, agent=name, error=str(exc))
+
+    def __len__(self) -> int:
+        return len(self._dlists)
+
+    def __repr__(self) -> str:
+        return f"<RemoteAgents of {self._agent.name} loaded={len(self._dlists)}>"

@@ -1,0 +1,525 @@
+"""P's side: match D's registrations with the worker's finished blocks, WRITE, settle.
+
+One ``ProducerTable`` and one set of posted WRITEs per ``Rank``. The fast path (the
+registration's sender is a live, known agent; descriptors prepared) posts the WRITE
+inline, in the same loop iteration that completed the match; only a peer without a live
+session defers it to a handshake task. Any failure frees P's lease at once and tells D
+at once over the side channel, so neither side waits for a timer.
+
+A PUSH_REG is checked against what P knows of its sender before it can match: from a
+known agent at once; from an agent P has not heard of yet (D's ``AgentsUpdate`` may be
+on its way) it waits, unverified, and ``agents_known`` checks it when the agent is
+announced. P never writes for, nor dials, a registration it could not check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from pushsvc.config import Config
+from pushsvc.engine.base import XferHandle, XferState
+from pushsvc.errors import HandshakeError, LayoutError, ProtocolError, TransferError
+from pushsvc.metrics import Metrics
+from pushsvc.protocol import notif
+from pushsvc.protocol import peer as pp
+from pushsvc.protocol import worker as wp
+from pushsvc.server.outbox import Outbox
+from pushsvc.server.peers import Peer, PeerLink
+from pushsvc.server.ranks import Rank
+from pushsvc.server.remotes import layout_of_agent
+from pushsvc.server.tasks import TaskSet
+from pushsvc.server.verify import digest_blocks
+from pushsvc.state.layout import check_block_ids, plan_write
+from pushsvc.state.producer import (
+    ExpiryKind,
+    Match,
+    ProducerTable,
+    Registration,
+    RegOutcome,
+    RegResult,
+    StageOutcome,
+)
+
+log = structlog.get_logger("pushsvc.sender")
+
+
+@dataclass(frozen=True, slots=True)
+class SendSettings:
+    engine_id: str
+    lease_s: float
+    registration_ttl_s: float
+    max_notif_bytes: int
+    verify: bool
+    unverified_ttl_s: float  # how long a PUSH_REG from an unannounced agent may wait
+
+    @classmethod
+    def of(cls, config: Config) -> SendSettings:
+        return cls(config.engine_id, config.lease_s, config.registration_ttl_s, config.max_notif_bytes, config.verify,
+                   config.handshake_timeout_s)
+
+
+@dataclass(slots=True, eq=False)
+class Write:
+    """A posted WRITE. Its blocks stay leased until the handle settles."""
+
+    match: Match
+    handle: XferHandle
+    remote_agent: str
+    nbytes: int
+    posted_at: float  # loop time
+    started: float  # perf_counter() just before the post
+    cancelled: bool = False  # D withdrew the registration: acknowledge once settled
+
+
+@dataclass(eq=False)
+class _RankSends:
+    table: ProducerTable
+    writes: dict[str, Write] = field(default_factory=dict)  # by P's request id
+
+
+class Sender:
+    def __init__(self, *, settings: SendSettings, outbox: Outbox, peers: PeerLink, metrics: Metrics,
+                 tasks: TaskSet, drain: Callable[[Rank], None], wake: Callable[[], None]) -> None:
+        self._settings = settings
+        self._outbox = outbox
+        self._peers = peers
+        self._metrics = metrics
+        self._tasks = tasks
+        self._drain = drain  # reads the rank's queued notifications (a PUSH_REG may wait there)
+        self._wake = wake
+        self._ranks: dict[Rank, _RankSends] = {}
+
+    def _of(self, rank: Rank) -> _RankSends:
+        state = self._ranks.get(rank)
+        if state is None:
+            s = self._settings
+            state = self._ranks[rank] = _RankSends(ProducerTable(s.lease_s, s.registration_ttl_s, s.unverified_ttl_s))
+        return state
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    # ------------------------------------------------------------------ from the worker
+
+    def on_send_ready(self, rank: Rank, msg: wp.SendReady) -> None:
+        state = self._of(rank)
+        rid = msg.request_id
+        if state.table.tracks(rid):
+            # Before the block check: refusing it would fail the live request, and its
+            # worker would free blocks a WRITE may still be reading.
+            self._metrics.duplicates.labels("finished_blocks").inc()
+            return
+        try:
+            if rank.memory is None:
+                raise LayoutError("no KV memory registered for this rank")
+            check_block_ids(rank.memory.layout, msg.block_ids, "finished blocks")
+        except LayoutError as exc:
+            self._metrics.malformed.labels("worker", "finished_blocks").inc()
+            log.warning("send_rejected", request_id=rid, rank=rank.number, error=str(exc))
+            self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason=str(exc)))
+            return
+        self._drain(rank)  # a PUSH_REG may already be queued in the agent: read it first
+        result = state.table.add_staged(rid, msg.block_ids, self._now(), msg.match_key)
+        if result.outcome is StageOutcome.DUPLICATE:
+            self._metrics.duplicates.labels("finished_blocks").inc()
+        elif result.outcome is StageOutcome.AMBIGUOUS:
+            self._ambiguous(rank, [rid], result.collided)
+        elif result.match is not None:
+            self._start_push(rank, result.match)
+
+    def evict(self, rank: Rank, rid: str) -> None:
+        """The worker dropped ``rid``: staged blocks are released at once; a WRITE in
+        flight is not evictable (its SendDone/SendFailed follows)."""
+        state = self._ranks.get(rank)
+        if state is not None and state.table.evict(rid, self._now()) is not None:
+            log.info("evicted", request_id=rid, rank=rank.number)
+            self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason="cancelled"))
+
+    def worker_detached(self, rank: Rank) -> None:
+        state = self._ranks.get(rank)
+        if state is not None:
+            for rid in list(state.table.staged):
+                self.evict(rank, rid)
+
+    # ------------------------------------------------------------------ from D
+
+    def on_push_reg(self, rank: Rank, sender: str, payload: bytes) -> None:
+        try:
+            reg = notif.decode_push_reg(payload, self._settings.max_notif_bytes)
+        except ProtocolError as exc:
+            self._malformed("push_reg", sender, exc)
+            return
+        if reg.remote_engine_id != self._settings.engine_id:
+            self._malformed("push_reg_wrong_engine", sender, ProtocolError(f"PUSH_REG for engine {reg.remote_engine_id}"))
+            return
+        peer = self._peers.find_agent(sender)
+        if peer is None and self._peers.departed(sender):
+            # From a D incarnation or worker that is gone, or a D we lost: late, and never
+            # to be written (D holds those blocks only for its grace). P's blocks for it
+            # will never be claimed either: released now rather than at the lease.
+            self._malformed("push_reg_departed_agent", sender, ProtocolError(f"PUSH_REG from departed agent {sender}"))
+            self._release_counterpart(rank, reg)
+            return
+        if peer is not None and not self._sender_checks_out(peer, sender, reg):
+            return
+        self._metrics.notifications.labels("push_reg").inc()
+        result = self._of(rank).table.add_registration(reg, sender, self._now(), verified=peer is not None)
+        self._registered(rank, reg, sender, peer, result)
+
+    def _release_counterpart(self, rank: Rank, reg: notif.PushReg) -> None:
+        state = self._of(rank)
+        staged = state.table.counterpart(reg)
+        if staged is not None and state.table.evict(staged.request_id, self._now()) is not None:
+            reason = "late_registration: D's registration came after the session to D was lost"
+            log.warning("push_failed", request_id=staged.request_id, kind="late_registration", error=reason)
+            self._metrics.failures.labels("late_registration").inc()
+            self._outbox.tell(rank, wp.SendFailed(request_id=staged.request_id, reason=reason))
+
+    def peer_up(self, peer: Peer) -> None:
+        """A new session with ``peer``: unverified registrations claiming its engine came
+        before it (a legitimate one is announced within its own session), so the
+        announcement of this session cannot vouch for them."""
+        self._drop_unverified(peer)
+
+    def _drop_unverified(self, peer: Peer) -> None:
+        for state in self._ranks.values():
+            for registration in state.table.drop_unverified(peer.engine_id):
+                log.info("registration_dropped", request_id=registration.request_id, peer=registration.sender,
+                         reason="unverified when the session changed")
+
+    def agents_known(self, peer: Peer, names: set[str]) -> None:
+        """``peer`` announced these agents: check the registrations that waited for
+        them, and match the ones that check out."""
+        for rank, state in list(self._ranks.items()):
+            # An announced agent may replace one of the same rank (its worker
+            # restarted): what the old one registered is for memory now retiring.
+            stale = {r.sender for r in state.table.registrations.values() if self._peers.departed(r.sender)}
+            for registration in state.table.drop_registrations_from(stale):
+                log.info("registration_dropped", request_id=registration.request_id, peer=peer.engine_id,
+                         reason="its agent was replaced")
+            for registration in state.table.unverified_from(names):
+                if not self._sender_checks_out(peer, registration.sender, registration.reg):
+                    state.table.drop_registration(registration.key)
+                    continue
+                result = state.table.confirm(registration.key, self._now())
+                self._registered(rank, registration.reg, registration.sender, peer, result)
+
+    def _sender_checks_out(self, peer: Peer, sender: str, reg: notif.PushReg) -> bool:
+        """A known agent may register only for its own engine, rank and TP size, and
+        only blocks inside its advertised layout."""
+        info = peer.agents[sender]
+        if (peer.engine_id != reg.decode_engine_id or info.rank != reg.decode_rank
+                or info.tp_size != reg.decode_tp_size):
+            # Refused here, it cannot squat on a request id the real D will use.
+            self._malformed("push_reg_sender_mismatch", sender,
+                            ProtocolError(f"agent of {peer.engine_id} rank {info.rank} sent a PUSH_REG for "
+                                          f"{reg.decode_engine_id} rank {reg.decode_rank}"))
+            return False
+        try:
+            check_block_ids(layout_of_agent(info), reg.local_block_ids, "PUSH_REG")
+        except LayoutError as exc:
+            # D's layout is known: these blocks can never be written. D hears why.
+            self._malformed("push_reg_blocks", sender, exc)
+            self._tell_d(peer, reg, f"registration rejected: {exc}")
+            return False
+        return True
+
+    def _registered(self, rank: Rank, reg: notif.PushReg, sender: str, peer: Peer | None, result: RegResult) -> None:
+        outcome = result.outcome
+        if outcome is RegOutcome.MATCHED and result.match is not None:
+            self._start_push(rank, result.match)
+        elif outcome is RegOutcome.CANCELLED:
+            self._metrics.notifications.labels("push_reg_cancelled").inc()
+            log.info("push_reg_after_cancel", request_id=reg.request_id, peer=sender)
+        elif outcome is RegOutcome.DUPLICATE:
+            self._metrics.duplicates.labels("push_reg").inc()
+            log.info("push_reg_duplicate", request_id=reg.request_id, peer=sender)
+        elif outcome is RegOutcome.UNVERIFIED:
+            self._metrics.notifications.labels("push_reg_unverified").inc()
+            log.info("push_reg_unverified", request_id=reg.request_id, peer=sender, reason="sender not known yet")
+        elif outcome is RegOutcome.AMBIGUOUS:
+            self._ambiguous(rank, [s.request_id for s in result.collided], [Registration(reg, sender, 0.0, 0.0)], peer)
+        elif outcome in (RegOutcome.FINISHED, RegOutcome.FULL):
+            kind = "push_reg_finished" if outcome is RegOutcome.FINISHED else "push_reg_table_full"
+            self._metrics.notifications.labels(kind).inc()
+            log.info(kind, request_id=reg.request_id, match_key=reg.match_key, peer=sender)
+            if peer is not None and any(reg.local_block_ids):  # a release needs no answer
+                why = ("the exchange's P request already ended" if outcome is RegOutcome.FINISHED
+                       else "P holds too many registrations")
+                self._tell_d(peer, reg, f"registration refused: {why}")
+
+    def _ambiguous(self, rank: Rank, p_requests: list[str],
+                   registrations: list[Registration] | tuple[Registration, ...], peer: Peer | None = None) -> None:
+        """Requests that a shared base id pairs in more than one way: all are refused,
+        none is written (each would risk decoding on another request's KV)."""
+        self._metrics.failures.labels("ambiguous_match").inc()
+        reason = (f"ambiguous_match: {len(p_requests)} P request(s) and {len(registrations)} D registration(s) share "
+                  "a base request id and no match key decides; send one X-Request-Id per request, or go "
+                  "through a front that sets transfer_id")
+        for rid in p_requests:
+            log.warning("push_failed", request_id=rid, kind="ambiguous_match", error=reason)
+            self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason=reason))
+        for r in registrations:
+            target = self._peers.find_agent(r.sender) or peer
+            if target is not None:
+                self._tell_d(target, r.reg, reason)
+
+    # ------------------------------------------------------------------ the WRITE
+
+    def _start_push(self, rank: Rank, match: Match) -> None:
+        peer = self._peers.find_agent(match.registration.sender)
+        if peer is not None and peer.alive:
+            self._write(rank, match, peer)
+        elif peer is not None:
+            self._tasks.spawn(self._push_after_handshake(rank, match, peer))
+        else:
+            self._fail_push(rank, match, None, "peer_lost", "the registration's D daemon went away")
+
+    async def _push_after_handshake(self, rank: Rank, match: Match, known: Peer) -> None:
+        # Dial where D's daemon said it listens in its hello: never an address the
+        # PUSH_REG itself names.
+        try:
+            peer: Peer | None = await self._peers.ensure(known.host, known.port, known.engine_id)
+            error = ""
+        except HandshakeError as exc:
+            peer, error = None, str(exc)
+        if self._of(rank).table.writing.get(match.request_id) is not match:
+            return  # cancelled or evicted while the handshake ran: already final
+        if peer is None or match.registration.sender not in peer.agents:
+            self._fail_push(rank, match, None, "handshake_failed", error or "D's agent is gone")
+        else:
+            self._write(rank, match, peer)
+
+    def _write(self, rank: Rank, match: Match, peer: Peer) -> None:
+        reg = match.registration.reg
+        target = peer.agents.get(match.registration.sender)
+        memory = rank.memory
+        if target is None or memory is None:
+            self._fail_push(rank, match, peer, "layout_mismatch", "D's agent or P's KV memory is gone")
+            return
+        try:
+            remote = rank.remotes.layout(target, memory.layout)
+            plan = plan_write(memory.layout, remote, match.block_ids, reg.local_block_ids)
+            completion = notif.encode_completion(reg.request_id, rank.tp_size)
+            if not len(plan.src_indices):
+                # D registered no blocks: its request ended before it was scheduled,
+                # and the registration only releases P. Nothing to write.
+                rank.agent.send_notif(target.agent_name, completion)
+                self._release_without_write(rank, match)
+                return
+            digests = digest_blocks(memory.descs, plan.src_indices) if self._settings.verify else b""
+            # Wall clock, not loop.time(): uvloop caches the loop's time per iteration,
+            # and a WRITE over shared memory may complete inside this very call.
+            started = time.perf_counter()
+            handle, xstate = rank.agent.write(memory.dlist, plan.src_indices, rank.remotes.dlist(target.agent_name),
+                                              plan.dst_indices, completion)
+        except LayoutError as exc:
+            self._fail_push(rank, match, peer, "layout_mismatch", str(exc))
+            return
+        except TransferError as exc:
+            self._fail_push(rank, match, peer, "write_submit_failed", str(exc))
+            return
+        now = self._now()
+        self._metrics.match_wait_seconds.observe(now - match.staged.staged_at)
+        write = Write(match, handle, target.agent_name, plan.nbytes, now, started)
+        self._of(rank).writes[match.request_id] = write
+        self._metrics.transfer_blocks.inc(plan.logical_blocks)
+        log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=plan.nbytes,
+                  descriptors=len(plan.src_indices))
+        if xstate is XferState.PROC or digests:
+            self._peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank,
+                                                   nbytes=plan.nbytes, digests=digests))
+        if xstate is not XferState.PROC:
+            self._settle(rank, write, xstate)
+        self._wake()
+
+    def _release_without_write(self, rank: Rank, match: Match) -> None:
+        self._of(rank).table.finish(match.request_id, self._now())
+        self._metrics.transfers.labels("released").inc()
+        log.info("push_released", request_id=match.request_id, peer=match.registration.reg.decode_engine_id,
+                 reason="D registered no blocks")
+        self._outbox.tell(rank, wp.SendDone(request_id=match.request_id))
+
+    def poll(self, rank: Rank) -> None:
+        """Settle every WRITE of ``rank`` that is no longer in progress."""
+        state = self._ranks.get(rank)
+        if state is None:
+            return
+        for write in list(state.writes.values()):
+            xstate = rank.agent.state(write.handle)
+            if xstate is not XferState.PROC:
+                self._settle(rank, write, xstate)
+
+    def _settle(self, rank: Rank, write: Write, xstate: XferState) -> None:
+        rid = write.match.request_id
+        state = self._of(rank)
+        del state.writes[rid]
+        try:
+            rank.agent.release(write.handle)
+        except TransferError as exc:
+            log.warning("write_release_failed", request_id=rid, error=str(exc))
+        seconds = time.perf_counter() - write.started
+        log.debug("write_settled", request_id=rid, state=xstate.value, seconds=round(seconds, 6))
+        if xstate is XferState.DONE:
+            state.table.finish(rid, self._now())
+            self._metrics.transfers.labels("done").inc()
+            self._metrics.transfer_bytes.inc(write.nbytes)
+            self._metrics.transfer_seconds.observe(seconds)
+            self._outbox.tell(rank, wp.SendDone(request_id=rid))
+        else:
+            self._fail_push(rank, write.match, self._peers.find_agent(write.remote_agent), "write_failed",
+                            "NIXL reported the WRITE failed", notify_remote=not write.cancelled)
+        if write.cancelled:
+            self._ack_cancel(write.match.registration)
+
+    def _fail_push(self, rank: Rank, match: Match, peer: Peer | None, kind: str, reason: str,
+                   notify_remote: bool = True) -> None:
+        """P cannot push: free P's lease now and tell D now (not at its watchdog)."""
+        self._of(rank).table.finish(match.request_id, self._now())
+        self._metrics.transfers.labels("failed").inc()
+        self._metrics.failures.labels(kind).inc()
+        reg = match.registration.reg
+        log.warning("push_failed", request_id=match.request_id, remote_request_id=reg.request_id,
+                    peer=reg.decode_engine_id, kind=kind, error=reason)
+        self._outbox.tell(rank, wp.SendFailed(request_id=match.request_id, reason=f"{kind}: {reason}"))
+        peer = peer or self._peers.find_agent(match.registration.sender)
+        if notify_remote and peer is not None:
+            self._tell_d(peer, reg, f"{kind}: {reason}")
+
+    def _tell_d(self, peer: Peer, reg: notif.PushReg, reason: str) -> None:
+        self._peers.send(peer, pp.PushFailed(request_id=reg.request_id, rank=reg.decode_rank, reason=reason[:4096]))
+
+    # ------------------------------------------------------------------ cancellation
+
+    def cancel_push(self, peer: Peer, msg: pp.CancelPush, ranks: list[Rank]) -> None:
+        """D withdrew a registration. Answer once nothing more can land in its blocks.
+        ``ranks`` are this daemon's ranks of that number, the current one first."""
+        if not ranks:
+            self._metrics.malformed.labels("side_channel", "unknown_cancel").inc()
+            return
+        # A PUSH_REG already queued in the agent is read first; one still on the wire
+        # meets the tombstone ``cancel_registration`` leaves.
+        self._drain(ranks[0])
+        now = self._now()
+        match = None
+        for rank in ranks:
+            state = self._of(rank)
+            match = state.table.cancel_registration(peer.engine_id, msg.request_id, now)
+            if match is not None:
+                break
+        log.info("push_cancelled", remote_request_id=msg.request_id, peer=peer.engine_id, writing=match is not None)
+        if match is not None:
+            write = state.writes.get(match.request_id)
+            if write is not None:
+                write.cancelled = True  # acknowledged in _settle
+                return
+            # Matched, handshake still running: nothing posted yet.
+            self._fail_push(rank, match, None, "cancelled", "D withdrew the registration", notify_remote=False)
+        self._peers.send(peer, pp.PushCancelled(request_id=msg.request_id, rank=msg.rank))
+
+    def _ack_cancel(self, registration: Registration) -> None:
+        peer = self._peers.find_agent(registration.sender) or self._peers.find_engine(registration.reg.decode_engine_id)
+        if peer is not None:
+            self._peers.send(peer, pp.PushCancelled(request_id=registration.request_id,
+                                                    rank=registration.reg.decode_rank))
+
+    def refuse_registrations(self, rank: Rank, reason: str) -> None:
+        """Drop the registrations ``rank`` holds unmatched and tell each D now."""
+        state = self._ranks.get(rank)
+        if state is None:
+            return
+        for registration in state.table.drop_registrations_from({r.sender for r in state.table.registrations.values()}):
+            peer = self._peers.find_agent(registration.sender)
+            if peer is not None:
+                self._tell_d(peer, registration.reg, reason)
+
+    # ------------------------------------------------------------------ peers, timers
+
+    def peer_down(self, peer: Peer) -> set[str]:
+        """Forget the registrations of ``peer``'s agents; return the remote agents that
+        WRITEs still target (they stay loaded until those settle)."""
+        names = set(peer.agents)
+        busy: set[str] = set()
+        self._drop_unverified(peer)
+        for rank, state in self._ranks.items():
+            for registration in state.table.drop_registrations_from(names):
+                self._metrics.failures.labels("peer_lost").inc()
+                log.info("registration_dropped", request_id=registration.request_id, peer=peer.engine_id,
+                         reason="peer down")
+            held = [rid for rid, w in state.writes.items() if w.remote_agent in names]
+            if held:
+                # NIXL cannot recall a posted WRITE (releasing the handle does not cancel a
+                # UCX put), so these blocks stay leased until NIXL settles the WRITE: at
+                # once if the peer died, when it resumes if it was only stopped.
+                log.warning("writes_held", peer=peer.engine_id, rank=rank.number, writes=len(held),
+                            request_ids=held[:8])
+            busy |= {w.remote_agent for w in state.writes.values()}
+        return busy
+
+    def expire(self, now: float) -> None:
+        for rank, state in self._ranks.items():
+            for exp in state.table.expire(now):
+                if exp.kind is ExpiryKind.LEASE:
+                    self._metrics.leases_expired.inc()
+                    log.warning("lease_expired", request_id=exp.request_id, rank=rank.number)
+                    self._outbox.tell(rank, wp.SendFailed(request_id=exp.request_id, reason=exp.reason))
+                else:
+                    self._metrics.failures.labels("registration_expired").inc()
+                    log.info("registration_expired", request_id=exp.request_id, peer=exp.sender, reason=exp.reason)
+
+    # ------------------------------------------------------------------ views
+
+    def writes_to(self, rank: Rank) -> set[str]:
+        state = self._ranks.get(rank)
+        return {w.remote_agent for w in state.writes.values()} if state else set()
+
+    def settled(self, rank: Rank) -> bool:
+        state = self._ranks.get(rank)
+        return state is None or not state.writes
+
+    def busy(self, rank: Rank) -> bool:
+        state = self._ranks.get(rank)
+        return state is not None and (bool(state.writes) or state.table.busy)
+
+    def hot(self, rank: Rank, now: float, hot_max_s: float) -> bool:
+        """A WRITE from this rank's memory is moving (for at most ``hot_max_s``)."""
+        state = self._ranks.get(rank)
+        return state is not None and any(now - w.posted_at < hot_max_s for w in state.writes.values())
+
+    def writes_in_flight(self) -> int:
+        return sum(len(s.writes) for s in self._ranks.values())
+
+    def sizes(self, rank: Rank) -> dict[str, int]:
+        state = self._ranks.get(rank)
+        sizes = state.table.sizes() if state else {"p_registrations": 0, "p_staged": 0, "p_writing": 0}
+        return {**sizes, "inflight": len(state.writes) if state else 0}
+
+    def abandon(self, rank: Rank, reason: str) -> None:
+        """The daemon stops with ``rank``'s agent closed: report what is still tracked."""
+        state = self._ranks.get(rank)
+        if state is None:
+            return
+        for rid in [*state.table.staged, *state.table.writing]:
+            self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason=reason))
+
+    def forget(self, rank: Rank) -> None:
+        """``rank`` is being closed: release the handles of WRITEs still posted (only at
+        shutdown, after the drain, can any be left)."""
+        state = self._ranks.pop(rank, None)
+        for write in state.writes.values() if state else ():
+            try:
+                rank.agent.release(write.handle)
+            except TransferError:
+                pass
+
+    def _malformed(self, reason: str, sender: str, exc: Exception) -> None:
+        self._metrics.malformed.labels("notification", reason).inc()
+        log.warning("malformed_input", source="notification", reason=reason, peer=sender, error=str(exc)[:200])
+
+    def __repr__(self) -> str:
+        return f"<Sender ranks={len(self._ranks)} writes={self.writes_in_flight()}>"

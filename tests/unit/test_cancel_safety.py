@@ -1,0 +1,184 @@
+"""No block is handed back while a WRITE may still touch it: withdrawals that outlast
+any timer, a worker whose connection breaks while the daemon lives on, and a daemon that
+drains D's registrations before it stops.
+
+Two in-process daemons over the fake engine (real sockets and memfd memory); the fake
+engine holds WRITEs in flight for as long as a test wants (``hold_writes``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from daemon_fixtures import (
+    PushPair,
+    assert_tables_empty,
+    expected_after_push,
+    kv_regions,
+    push_pair,
+    wait_until,
+)
+
+from pushsvc.protocol import worker as wp
+
+P_ID = "cmpl-a-0-22222222"
+D_ID = "cmpl-a-0-11111111"
+# D's cancel grace and P's heartbeats: short, so a test that waits several graces is quick;
+# P's session stays alive throughout (heartbeats every 0.1 s).
+FAST_PEER = {"peer_timeout_s": 0.5, "heartbeat_interval_s": 0.1}
+
+
+def tables(daemon) -> dict[str, int]:
+    return daemon.info()["tables"]
+
+
+def worker_gone(daemon) -> bool:
+    return not any(a["worker_connected"] for a in daemon.info()["agents"])
+
+
+async def held_write(pair: PushPair, d_ids: list[int] = [3, 4], p_ids: list[int] = [0, 1]) -> None:
+    """D registered, P staged, the WRITE is posted and held in flight."""
+    pair.fake.hold_writes = True
+    pair.register_recv(D_ID, d_ids)
+    await wait_until(lambda: tables(pair.p)["p_registrations"] == 1, "the PUSH_REG to reach P")
+    pair.send_ready(P_ID, p_ids)
+    await wait_until(lambda: tables(pair.p)["inflight"] == 1, "the WRITE to be posted")
+
+
+# ---------------------------------------------------------------- withdrawals outlast the grace
+
+
+@pytest.mark.asyncio
+async def test_an_evicted_registration_waits_for_p_however_long_its_write_takes() -> None:
+    async with push_pair(p_config=FAST_PEER, d_config=FAST_PEER) as pair:
+        await held_write(pair)
+        pair.dw.send(wp.Evict(request_ids=[D_ID]))
+        # Four graces later the WRITE is still in flight and P still alive: the blocks
+        # stay out of reuse (they used to be handed back when the grace ran out).
+        await pair.dw.quiet_for(2.0)
+        assert tables(pair.d)["d_pending"] == 1
+        pair.fake.complete_held()
+        await pair.pw.wait_for(wp.SendDone, P_ID)
+        failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)  # only once the WRITE settled
+        assert failed.reason == "cancelled"
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_a_watchdog_expiry_during_a_long_write_waits_for_p_too() -> None:
+    async with push_pair(p_config=FAST_PEER, d_config={**FAST_PEER, "watchdog_s": 0.3}) as pair:
+        await held_write(pair)
+        await pair.dw.quiet_for(2.0)  # the watchdog fired long ago; P is writing
+        assert tables(pair.d)["d_pending"] == 1
+        pair.fake.complete_held()
+        failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+        assert failed.reason == "watchdog: no push within 0.3s"
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_a_withdrawn_registration_is_freed_at_once_when_p_confirms() -> None:
+    async with push_pair(p_config=FAST_PEER, d_config=FAST_PEER) as pair:
+        pair.register_recv(D_ID, [3, 4])
+        await wait_until(lambda: tables(pair.p)["p_registrations"] == 1, "the PUSH_REG to reach P")
+        pair.dw.send(wp.Evict(request_ids=[D_ID]))
+        failed = await pair.dw.wait_for(wp.RecvFailed, D_ID, timeout=0.4)  # within the grace: P answered
+        assert failed.reason == "cancelled"
+        # P never writes it, even if its blocks come now.
+        pair.send_ready(D_ID, [0, 1])
+        await pair.pw.quiet_for(0.1)
+        assert tables(pair.p)["p_staged"] == 1 and tables(pair.p)["p_writing"] == 0
+        pair.pw.send(wp.Evict(request_ids=[D_ID]))
+        await pair.pw.wait_for(wp.SendFailed, D_ID)
+        await assert_tables_empty(pair.p, pair.d)
+
+
+# ---------------------------------------------------------------- the worker's connection breaks
+
+
+@pytest.mark.asyncio
+async def test_a_reconnected_worker_hears_how_its_old_requests_ended() -> None:
+    async with push_pair() as pair:
+        await held_write(pair)
+        # D's worker loses its connection; the daemon (and P's WRITE) live on.
+        pair.dw.client.close()
+        await wait_until(lambda: worker_gone(pair.d), "D to notice its worker left")
+        assert tables(pair.d)["d_pending"] == 1, "held: P may still write into those blocks"
+        # The same process connects again and registers the same memory, as the connector does.
+        await pair.dw.connect()
+        await asyncio.to_thread(pair.dw.client.register_kv, [pair.dw.buffer.fd], kv_regions(pair.dw.num_blocks))
+        pair.fake.complete_held()
+        ended = await pair.dw.wait_for((wp.RecvDone, wp.RecvFailed), D_ID)
+        assert isinstance(ended, wp.RecvFailed) and ended.reason == "cancelled"
+        await pair.pw.wait_for(wp.SendDone, P_ID)
+        # The bytes landed in memory the worker still owned, nowhere else.
+        assert np.array_equal(pair.dw.snapshot(), expected_after_push(pair.pw, pair.dw, [0, 1], [3, 4]))
+        await wait_until(lambda: not pair.d.info()["retiring_agents"], "the old rank to be released")
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_a_reconnected_p_worker_hears_its_write_settle() -> None:
+    async with push_pair() as pair:
+        await held_write(pair)
+        pair.pw.client.close()
+        await wait_until(lambda: worker_gone(pair.p), "P to notice its worker left")
+        assert tables(pair.p)["inflight"] == 1
+        await pair.pw.connect()
+        await asyncio.to_thread(pair.pw.client.register_kv, [pair.pw.buffer.fd], kv_regions(pair.pw.num_blocks))
+        pair.fake.complete_held()
+        assert isinstance(await pair.pw.wait_for((wp.SendDone, wp.SendFailed), P_ID), wp.SendDone)
+        await pair.dw.wait_for(wp.RecvDone, D_ID)
+        await assert_tables_empty(pair.p, pair.d)
+
+
+# ---------------------------------------------------------------- D drains before it stops
+
+
+@pytest.mark.asyncio
+async def test_d_shutdown_waits_for_its_registrations_and_its_worker_hears_the_outcome() -> None:
+    async with push_pair(d_config={"drain_timeout_s": 30.0}) as pair:
+        pair.register_recv(D_ID, [3, 4])
+        await wait_until(lambda: tables(pair.p)["p_registrations"] == 1, "the PUSH_REG to reach P")
+        shutdown = asyncio.get_running_loop().create_task(pair.d.shutdown())
+        try:
+            await wait_until(lambda: not pair.d.workers.listening, "D's drain to start")
+            await pair.dw.quiet_for(0.2)
+            assert not shutdown.done(), "D must wait: P may write into the registered blocks"
+            pair.send_ready(P_ID, [0, 1])
+            await pair.dw.wait_for(wp.RecvDone, D_ID)  # the worker connection outlives the drain
+            await asyncio.wait_for(asyncio.shield(shutdown), 5.0)
+        finally:
+            await shutdown
+        assert np.array_equal(pair.dw.snapshot(), expected_after_push(pair.pw, pair.dw, [0, 1], [3, 4]))
+
+
+@pytest.mark.asyncio
+async def test_d_shutdown_past_its_drain_reports_what_is_left_before_closing() -> None:
+    async with push_pair(d_config={"drain_timeout_s": 0.3}) as pair:
+        pair.register_recv(D_ID, [3, 4])
+        await wait_until(lambda: tables(pair.p)["p_registrations"] == 1, "the PUSH_REG to reach P")
+        await asyncio.wait_for(pair.d.shutdown(), 5.0)
+        # The agent closed first (nothing can land any more), then the worker was told.
+        failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+        assert failed.reason == "daemon shutting down"
+        assert not any(name.startswith("decode") for name in pair.fake.agents)
+
+
+@pytest.mark.asyncio
+async def test_a_draining_daemon_refuses_new_work_with_a_final_event() -> None:
+    async with push_pair(p_config={"drain_timeout_s": 30.0}) as pair:
+        await held_write(pair)
+        shutdown = asyncio.get_running_loop().create_task(pair.p.shutdown())
+        try:
+            await wait_until(lambda: not pair.p.workers.listening, "P's drain to start")
+            pair.send_ready("cmpl-late-0-33333333", [5])
+            failed = await pair.pw.wait_for(wp.SendFailed, "cmpl-late-0-33333333")
+            assert failed.reason == "daemon shutting down"
+            pair.fake.complete_held()
+            await pair.pw.wait_for(wp.SendDone, P_ID)
+            await asyncio.wait_for(asyncio.shield(shutdown), 5.0)
+        finally:
+            await shutdown

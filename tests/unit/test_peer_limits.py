@@ -1,0 +1,167 @@
+"""What a stranger on the side channel can make a daemon hold is bounded: frames before
+authentication, handshakes in progress, agents and their descriptors, remembered lost
+peers, and bytes queued for a peer that stopped reading."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from daemon_fixtures import assert_tables_empty, push_pair
+from peer_fixtures import AGENT, WAIT_S, Raw, eventually, manager, sample, started
+
+from pushsvc.engine.fake import FakeEngine
+from pushsvc.errors import LayoutError
+from pushsvc.metrics import Metrics
+from pushsvc.protocol import peer as pp
+from pushsvc.protocol import worker as wp
+from pushsvc.protocol.framing import HEADER, PREAMBLE, CountingDecoder, encode_preamble, frame
+from pushsvc.server import peers as peers_module
+from pushsvc.server.handshake import PRE_AUTH_MAX_FRAME
+from pushsvc.server.peers import Peer
+from pushsvc.server.remotes import RemoteAgents
+from pushsvc.server.session import Session
+from pushsvc.state.layout import Layout
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.asyncio
+async def test_a_frame_before_authentication_is_capped_at_a_kibibyte() -> None:
+    p, pm, _ = manager("prefill", SECRET)
+    async with started(p):
+        raw = await Raw.connect(p.port)
+        # Announce 60 MiB where the challenge belongs, and start sending it.
+        raw.writer.write(encode_preamble(pp.MAGIC, pp.MAJOR, pp.MINOR) + HEADER.pack(60 << 20) + b"\0" * 65536)
+        await raw.reader.readexactly(PREAMBLE.size)
+        assert isinstance(await raw.read_msg(), pp.AuthChallenge)
+        assert await raw.rest() == b""  # hung up on at the header, before the payload
+        raw.close()
+        assert sample(pm, "pushsvc_rejected_connections_total", listener="side_channel", reason="auth_missing") == 1
+        assert sample(pm, "pushsvc_malformed_inputs_total", source="side_channel", reason="decode") == 0
+
+
+@pytest.mark.asyncio
+async def test_a_challenge_that_fits_the_cap_is_read() -> None:
+    challenge = frame(pp.encode(pp.AuthChallenge(nonce=b"\1" * 32, daemon_id="d" * 256)))
+    assert len(challenge) - HEADER.size <= PRE_AUTH_MAX_FRAME  # the largest legal one fits
+
+
+@pytest.mark.asyncio
+async def test_handshakes_in_progress_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peers_module, "MAX_HANDSHAKES", 4)
+    p, pm, _ = manager("prefill", SECRET, handshake_timeout_s=WAIT_S)
+    async with started(p):
+        silent = [await Raw.connect(p.port) for _ in range(4)]  # each holds a handshake open
+        for s in silent:
+            await s.reader.readexactly(PREAMBLE.size)
+        extra = await Raw.connect(p.port)
+        assert await extra.rest() == b"", "the fifth is closed at once, without a preamble"
+        assert sample(pm, "pushsvc_rejected_connections_total", listener="side_channel",
+                      reason="too_many_handshakes") == 1
+        for s in [*silent, extra]:
+            s.close()
+
+
+@pytest.mark.asyncio
+async def test_a_peer_cannot_announce_more_agents_than_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peers_module, "MAX_AGENTS_PER_PEER", 2)
+    p, pm, _ = manager("prefill", None)
+    async with started(p):
+        raw = await Raw.connect(p.port)
+        await raw.reader.readexactly(PREAMBLE.size)
+        assert isinstance(await raw.read_msg(), pp.PeerHello)  # the acceptor speaks first
+        hello = pp.PeerHello(daemon_id="many", engine_id="many", side_channel_host="127.0.0.1",
+                             side_channel_port=1, agents=[])
+        raw.writer.write(encode_preamble(pp.MAGIC, pp.MAJOR, pp.MINOR) + frame(pp.encode(hello)))
+        await eventually(lambda: p.find_engine("many") is not None, "P to take the hello")
+        agents = [pp.AgentInfo(rank=r, tp_size=4, agent_name=f"many/r{r}", metadata=b"m",
+                               regions=AGENT.regions) for r in range(3)]
+        raw.send(pp.AgentsUpdate(agents=agents))
+        await raw.rest()  # whatever came before (a heartbeat), then the close
+        await eventually(lambda: p.find_engine("many") is None, "P to close the session")
+        assert sample(pm, "pushsvc_malformed_inputs_total", source="side_channel", reason="unexpected") == 1
+        raw.close()
+
+
+def test_a_remote_agent_describing_too_many_blocks_is_refused_before_anything_is_built() -> None:
+    engine = FakeEngine()
+    local = engine.create_agent("local")
+    remotes = RemoteAgents(local, max_descriptors=1 << 16)
+    # 711 bytes on the wire once asked for 768 GiB of descriptors.
+    huge = pp.AgentInfo(rank=0, tp_size=1, agent_name="huge", metadata=b"fake:huge",
+                        regions=[pp.RegionInfo(base=0, block_len=1, num_blocks=2**31 - 1)] * 16)
+    remotes.load(huge)
+    assert remotes.names() == [] and local.remotes == set(), "nothing was loaded into NIXL"
+    with pytest.raises(LayoutError, match="over the limit"):  # what a WRITE to it would report
+        remotes.layout(huge, Layout(()))
+
+
+def test_a_remote_agent_whose_metadata_names_another_agent_is_not_kept() -> None:
+    engine = FakeEngine()
+    local = engine.create_agent("local")
+    remotes = RemoteAgents(local, max_descriptors=1 << 16)
+    liar = pp.AgentInfo(rank=0, tp_size=1, agent_name="claimed", metadata=b"fake:someone-else",
+                        regions=AGENT.regions)
+    remotes.load(liar)
+    assert remotes.names() == [] and local.remotes == set()
+
+
+@pytest.mark.asyncio
+async def test_a_hello_with_an_oversized_agent_leaves_the_daemon_serving() -> None:
+    async with push_pair() as pair:
+        other, _, _ = manager("decode-2", None)
+        other._local_agents = lambda: [pp.AgentInfo(  # type: ignore[method-assign]
+            rank=0, tp_size=1, agent_name="decode-2/r0", metadata=b"fake:decode-2/r0",
+            regions=[pp.RegionInfo(base=0, block_len=1, num_blocks=2**31 - 1)] * 16)]
+        async with started(other):
+            await other.ensure("127.0.0.1", pair.p.service.peers.port, "prefill")
+            await eventually(lambda: pair.p.service.peers.find_engine("decode-2") is not None, "P to take it")
+            # P is alive and serving: a real push goes through.
+            pair.register_recv("cmpl-a-0-11111111", [3, 4])
+            pair.send_ready("cmpl-a-0-22222222", [0, 1])
+            await pair.dw.wait_for(wp.RecvDone, "cmpl-a-0-11111111")
+            await pair.pw.wait_for(wp.SendDone, "cmpl-a-0-22222222")
+        await assert_tables_empty(pair.p, pair.d)
+
+
+def test_lost_peers_are_remembered_up_to_a_bound() -> None:
+    mgr, _, _ = manager("prefill", None)
+    for i in range(peers_module._LOST_KEPT + 50):
+        peer = Peer(f"daemon-{i}", f"engine-{i}", "127.0.0.1", 1, agents={f"a{i}": AGENT})
+        mgr.peers[peer.daemon_id] = peer
+        mgr._forget(peer)
+    assert len(mgr._lost) == peers_module._LOST_KEPT
+    assert len(mgr._lost_agents) == peers_module._LOST_KEPT
+    # The forgotten ones are still refused as late, within the departed bound.
+    assert mgr.departed("a0") and mgr.departed(f"a{peers_module._LOST_KEPT + 49}")
+
+
+@pytest.mark.asyncio
+async def test_a_session_whose_peer_stops_reading_is_closed_not_buffered_without_end() -> None:
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def never_reads(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        await asyncio.sleep(WAIT_S)
+
+    server = await asyncio.start_server(never_reads, "127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        metrics = Metrics()
+        frames = CountingDecoder(pp.peer_decoder, source="side_channel", max_frame=1 << 20,
+                                 malformed=metrics.malformed)
+        session = Session(reader, writer, dialed=True, frames=frames, max_buffered=8 << 20)
+        big = pp.WriteStarted(request_id="r", rank=0, digests=b"\0" * (1 << 20))
+        sent = 0
+        while session.send(big):
+            sent += 1
+            await asyncio.sleep(0)  # let the kernel take what it takes
+            assert sent < 1000, "never refused"
+        assert session.overflowed and session.closing
+        assert sent * (1 << 20) < (8 << 20) + (16 << 20), "queued far beyond the bound"
+    finally:
+        for w in accepted:
+            w.close()
+        server.close()
+        await server.wait_closed()
