@@ -83,6 +83,8 @@ class Daemon:
         os.chmod(self.config.runtime_dir, mode)
         self.workers.start()
         await self.service.peers.start(self.config.side_channel_host, self.config.side_channel_port)
+        if self.config.insecure_side_channel and not self.config.side_channel_secret_file:
+            log.warning("side_channel_unauthenticated", host=self.config.side_channel_host, port=self.service.peers.port)
         await self.health.start()
         self._progress_task = asyncio.get_running_loop().create_task(self.progress.run(), name="pushsvc-progress")
         log.info("daemon_started", engine_id=self.config.engine_id, daemon_id=self.daemon_id[:8],

@@ -104,3 +104,42 @@ def test_second_daemon_on_a_live_socket_refuses(base_dir):
         assert d.get("/healthz")[0] == 200
     finally:
         assert d.stop() == 0
+
+
+# ---------------------------------------------------------------- side channel off loopback
+
+
+def _events(log: str) -> list[dict]:
+    return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+
+
+def test_side_channel_off_loopback_without_a_secret_exits_2(base_dir):
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir), "--side-channel-host", "0.0.0.0",
+                   "--allowed-peer-host", "10.0.0.0/8")
+    assert out.returncode == 2
+    assert "side_channel_secret_file" in out.stderr and "--insecure-side-channel" in out.stderr
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir), "--side-channel-host", "0.0.0.0",
+                   "--insecure-side-channel")
+    assert out.returncode == 2 and "allowed_peer_hosts" in out.stderr
+
+
+def test_insecure_side_channel_and_peer_hosts_flags(base_dir):
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir), "--side-channel-host", "0.0.0.0",
+                   "--insecure-side-channel", "--allowed-peer-host", "10.0.0.0/8", "--allowed-peer-host", "*",
+                   "--print-config")
+    assert out.returncode == 0, out.stderr
+    resolved = json.loads(out.stdout)
+    assert resolved["insecure_side_channel"] is True
+    assert resolved["allowed_peer_hosts"] == ["10.0.0.0/8", "*"]
+
+
+def test_insecure_side_channel_warns_at_every_start(base_dir):
+    for _ in range(2):
+        d = start_daemon(base_dir, "insecure", "--insecure-side-channel")
+        assert d.stop() == 0
+        warned = [e for e in _events(d.log()) if e.get("event") == "side_channel_unauthenticated"]
+        assert len(warned) == 1 and warned[0]["level"] == "warning", d.log()
+        assert warned[0]["port"] == d.side_port
+    d = start_daemon(base_dir, "secure")  # on loopback without the opt-out: no warning
+    assert d.stop() == 0
+    assert not [e for e in _events(d.log()) if e.get("event") == "side_channel_unauthenticated"]
