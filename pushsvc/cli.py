@@ -174,6 +174,9 @@ async def _run_daemon(config: Config, ready_file: str | None) -> int:
         if ready_file:
             _write_atomic(ready_file, json.dumps(daemon.info()))
         await daemon.main_loop()
+    except ConfigError as exc:  # a runtime or socket directory the daemon cannot use
+        print(f"pushsvc: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except OSError as exc:
         print(f"pushsvc: cannot start: {exc}", file=sys.stderr)
         return 1

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -43,8 +45,6 @@ def test_invalid_config_file_exits_2(base_dir):
 
 
 def test_invalid_env_exits_2(base_dir):
-    import os
-
     env = {**os.environ, "PUSHSVC_WATCHDOG_S": "soon"}
     out = _pushsvc("serve", "--runtime-dir", str(base_dir), env=env)
     assert out.returncode == 2 and "watchdog_s" in out.stderr
@@ -143,3 +143,48 @@ def test_insecure_side_channel_warns_at_every_start(base_dir):
     d = start_daemon(base_dir, "secure")  # on loopback without the opt-out: no warning
     assert d.stop() == 0
     assert not [e for e in _events(d.log()) if e.get("event") == "side_channel_unauthenticated"]
+
+
+# ---------------------------------------------------------------- runtime and socket directories
+
+
+def test_runtime_dir_of_another_user_exits_2(base_dir):
+    if os.geteuid() != 0:
+        pytest.skip("makes a directory owned by another uid: needs root")
+    taken = base_dir / "pushsvc-0"  # what another local user could create under /tmp first
+    taken.mkdir(mode=0o777)
+    os.chown(taken, 65534, 65534)
+    out = _pushsvc("serve", "--runtime-dir", str(taken), "--health-port", "0", "--side-channel-port", "0",
+                   timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert f"runtime_dir: {taken} is owned by uid 65534 (nobody)" in out.stderr
+    assert not (taken / "pushsvc.sock").exists()
+
+
+def test_runtime_dir_symlink_exits_2(base_dir):
+    (base_dir / "real").mkdir()
+    (base_dir / "link").symlink_to(base_dir / "real")
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir / "link"), "--health-port", "0",
+                   "--side-channel-port", "0", timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert f"runtime_dir: {base_dir / 'link'} is a symbolic link" in out.stderr
+    assert not list((base_dir / "real").iterdir())
+
+
+def test_missing_socket_dir_is_created_0700(base_dir):
+    sock = base_dir / "sockets" / "p" / "pushsvc.sock"
+    d = start_daemon(base_dir, "sockdir", "--socket", str(sock))
+    try:
+        assert d.socket == str(sock) and sock.is_socket()
+        assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+    finally:
+        assert d.stop() == 0
+
+
+def test_socket_dir_that_cannot_be_created_exits_2(base_dir):
+    (base_dir / "file").write_text("")
+    sock = base_dir / "file" / "dir" / "pushsvc.sock"
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir / "rt"), "--socket", str(sock), "--health-port", "0",
+                   "--side-channel-port", "0", timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert f"socket_path: cannot create the directory {sock.parent}" in out.stderr
