@@ -263,7 +263,7 @@ def load_config(
     try:
         cfg = msgspec.convert(merged, Config)
     except msgspec.ValidationError as exc:
-        raise _translate(exc) from None
+        raise translate_validation_error(exc) from None
     cfg = cfg.resolve(env)
     cfg.validate()
     return cfg
@@ -340,12 +340,17 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
-_PATH_FIELD = re.compile(r"at `\$\.(\w+)")
-_UNKNOWN_FIELD = re.compile(r"unknown field `(\w+)`")
+_PATH_FIELD = re.compile(r"at `\$\.([^`.\[]+)")
+_NAMED_FIELD = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
 
 
-def _translate(exc: msgspec.ValidationError) -> ConfigError:
-    # msgspec reports the location only inside its message, e.g. "... - at `$.health_port`".
+def translate_validation_error(exc: msgspec.ValidationError) -> ConfigError:
+    """A msgspec conversion error as a ``ConfigError`` naming the top-level field.
+
+    msgspec names the location only inside its message: "... - at `$.health_port`",
+    "... - at `$.allowed_uids[1]`", "Object contains unknown field `x`", "Object missing
+    required field `x`". Used by every config built with ``msgspec.convert`` (daemon and proxy).
+    """
     text = str(exc)
-    match = _PATH_FIELD.search(text) or _UNKNOWN_FIELD.search(text)
+    match = _PATH_FIELD.search(text) or _NAMED_FIELD.search(text)
     return ConfigError(match.group(1) if match else "config", text)

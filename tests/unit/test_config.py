@@ -6,10 +6,12 @@ import os
 import socket
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from pushsvc.config import MiB, Config, load_config, to_dict
+from pushsvc.config import MiB, Config, load_config, to_dict, translate_validation_error
 from pushsvc.errors import ConfigError
+from pushsvc.proxy.config import ProxyConfig, load_proxy_config
 
 # A stand-in for an empty environment that still fixes the runtime dir.
 BASE_ENV = {"XDG_RUNTIME_DIR": "/run/user/1000"}
@@ -311,3 +313,38 @@ def test_allowed_peer_hosts_entries_must_parse(entry: str, words: str) -> None:
 def test_allowed_peer_hosts_wrong_type_in_toml(tmp_path: Path) -> None:
     path = write(tmp_path, 'allowed_peer_hosts = "10.0.0.0/8"\n')
     assert config_error(path=path).field == "allowed_peer_hosts"
+
+
+# One translation of msgspec's conversion errors, for the daemon's and the proxy's config
+
+
+def _conversion_error(value: object, typ: type) -> msgspec.ValidationError:
+    with pytest.raises(msgspec.ValidationError) as info:
+        msgspec.convert(value, typ)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("value", "typ", "field"),
+    [
+        ({"health_port": "80"}, Config, "health_port"),
+        ({"allowed_uids": [1000, "bob"]}, Config, "allowed_uids"),
+        ({"allowed_peer_hosts": [1]}, Config, "allowed_peer_hosts"),
+        ({"no_such_field": 1}, Config, "no_such_field"),
+        ([1, 2], Config, "config"),
+        ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "port": 1}, ProxyConfig, "prefill_daemon"),
+        ({}, ProxyConfig, "prefill"),
+        ({"prefill": "http://p:1"}, ProxyConfig, "prefill"),
+        ({"prefill": [], "prefill_daemon": [], "decode": [], "port": "x"}, ProxyConfig, "port"),
+    ],
+)
+def test_translate_validation_error_names_the_top_level_field(value: object, typ: type, field: str) -> None:
+    exc = _conversion_error(value, typ)
+    err = translate_validation_error(exc)
+    assert (err.field, err.message) == (field, str(exc))
+
+
+def test_proxy_config_reports_conversion_errors_the_same_way() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_proxy_config({"prefill": ["http://p:1"], "decode": ["http://d:1"], "port": 1})
+    assert info.value.field == "prefill_daemon"
