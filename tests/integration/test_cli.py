@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -188,3 +189,14 @@ def test_socket_dir_that_cannot_be_created_exits_2(base_dir):
                    "--side-channel-port", "0", timeout=30)
     assert out.returncode == 2, out.stderr
     assert f"socket_path: cannot create the directory {sock.parent}" in out.stderr
+
+
+def test_example_config_passes_print_config(base_dir):
+    secret = base_dir / "side-channel.secret"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    secret.chmod(0o600)
+    example = Path(__file__).resolve().parents[2] / "deploy" / "pushsvc.toml"
+    out = _pushsvc("serve", "--config", str(example), "--side-channel-secret-file", str(secret), "--print-config")
+    assert out.returncode == 0, out.stderr
+    resolved = json.loads(out.stdout)
+    assert resolved["side_channel_secret_file"] == str(secret) and resolved["allowed_peer_hosts"]
