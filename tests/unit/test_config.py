@@ -312,7 +312,8 @@ def test_allowed_peer_hosts_entries_must_parse(entry: str, words: str) -> None:
 
 def test_allowed_peer_hosts_wrong_type_in_toml(tmp_path: Path) -> None:
     path = write(tmp_path, 'allowed_peer_hosts = "10.0.0.0/8"\n')
-    assert config_error(path=path).field == "allowed_peer_hosts"
+    err = config_error(path=path)
+    assert err.field == "allowed_peer_hosts" and "Expected `array`, got `str`" in err.message
 
 
 # One translation of msgspec's conversion errors, for the daemon's and the proxy's config
