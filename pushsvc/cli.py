@@ -31,7 +31,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--side-channel-port", dest="side_channel_port", type=int, help="0 picks a free port")
     p.add_argument("--advertised-host", dest="advertised_host")
     p.add_argument("--side-channel-secret-file", dest="side_channel_secret_file", metavar="PATH",
-                   help="shared secret (mode 0600, >= 16 bytes) peers must prove before any metadata flows")
+                   help="shared secret (mode 0600, >= 16 bytes) peers must prove before any metadata flows; "
+                        "required unless the side channel binds loopback or --insecure-side-channel is given")
+    p.add_argument("--insecure-side-channel", dest="insecure_side_channel", action="store_true", default=None,
+                   help="allow a side channel off loopback without a secret: anyone who reaches it gets every "
+                        "agent's NIXL metadata")
+    p.add_argument("--allowed-peer-host", dest="allowed_peer_hosts", action="append", metavar="HOST",
+                   help="a host name, IP address, CIDR network, or '*' for any, that this daemon may dial "
+                        "(repeat for several; replaces the file's and env's list; loopback is always allowed)")
     p.add_argument("--lease-s", dest="lease_s", type=float)
     p.add_argument("--watchdog-s", dest="watchdog_s", type=float)
     p.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
@@ -73,8 +80,8 @@ _PROXY_FIELDS = ("prefill", "prefill_daemon", "decode", "port", "host", "timeout
 
 
 _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_port", "side_channel_host",
-              "side_channel_port", "advertised_host", "side_channel_secret_file", "lease_s", "watchdog_s", "log_format",
-              "log_level", "verify")
+              "side_channel_port", "advertised_host", "side_channel_secret_file", "insecure_side_channel",
+              "allowed_peer_hosts", "lease_s", "watchdog_s", "log_format", "log_level", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +174,9 @@ async def _run_daemon(config: Config, ready_file: str | None) -> int:
         if ready_file:
             _write_atomic(ready_file, json.dumps(daemon.info()))
         await daemon.main_loop()
+    except ConfigError as exc:  # a runtime or socket directory the daemon cannot use
+        print(f"pushsvc: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except OSError as exc:
         print(f"pushsvc: cannot start: {exc}", file=sys.stderr)
         return 1

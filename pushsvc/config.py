@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from pushsvc.errors import ConfigError
+from pushsvc.peer_hosts import InvalidPeerHost, PeerHostPolicy, is_loopback_host
 from pushsvc.protocol.peer_auth import MIN_SECRET_LEN
 
 MiB = 1 << 20
@@ -63,7 +64,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine_id: str = ""
     # A file holding a secret shared by all daemons of a deployment; when set, peers
     # prove knowledge of it (HMAC over a nonce exchange) before any metadata flows.
+    # Required when side_channel_host is not loopback, unless insecure_side_channel.
     side_channel_secret_file: str = ""
+    # Opt-out of that requirement: any host that reaches the side channel may complete a
+    # hello and learn every agent's NIXL metadata. Logged as a warning at every start.
+    insecure_side_channel: bool = False
+    # Hosts this daemon may dial (peer_hosts.py): addresses, CIDR networks, host names,
+    # or "*". Loopback is always allowed; empty means loopback only, which a daemon
+    # whose side channel is not on loopback may not use.
+    allowed_peer_hosts: list[str] = []
     # NIXL.
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_progress_thread: bool = False
@@ -154,6 +163,35 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ConfigError(name, "must not be empty")
         if self.side_channel_secret_file:
             read_secret_file(self.side_channel_secret_file)
+        try:
+            PeerHostPolicy.build(self.allowed_peer_hosts)
+        except InvalidPeerHost as exc:
+            raise ConfigError("allowed_peer_hosts", str(exc)) from None
+        if not is_loopback_host(self.side_channel_host):
+            self._validate_exposed_side_channel()
+
+    def _validate_exposed_side_channel(self) -> None:
+        # Off loopback, other machines (and whoever else is on their network) can reach the
+        # side channel and name hosts for this daemon to dial: both must be decided here.
+        host = self.side_channel_host
+        if not self.side_channel_secret_file and not self.insecure_side_channel:
+            raise ConfigError(
+                "side_channel_secret_file",
+                f"required because side_channel_host ({host!r}) is not a loopback address: without it "
+                "anyone who reaches the side channel gets every agent's NIXL metadata. Create one secret "
+                "for all daemons of the deployment (head -c 32 /dev/urandom | base64 > side-channel.secret; "
+                "chmod 600 side-channel.secret, owned by the daemon's user) and point "
+                "side_channel_secret_file at it on each of them; or, to run unauthenticated on a network "
+                "you trust, set insecure_side_channel = true (--insecure-side-channel, "
+                "PUSHSVC_INSECURE_SIDE_CHANNEL=1)",
+            )
+        if not self.allowed_peer_hosts:
+            raise ConfigError(
+                "allowed_peer_hosts",
+                f"required because side_channel_host ({host!r}) is not a loopback address: list the peer "
+                "daemons this one may dial, as IP addresses, CIDR networks (10.0.0.0/8, fd00::/8) or host "
+                'names; "*" allows any host. Empty allows loopback only',
+            )
 
 
 _DURATION_FIELDS = tuple(
@@ -225,7 +263,7 @@ def load_config(
     try:
         cfg = msgspec.convert(merged, Config)
     except msgspec.ValidationError as exc:
-        raise _translate(exc) from None
+        raise translate_validation_error(exc) from None
     cfg = cfg.resolve(env)
     cfg.validate()
     return cfg
@@ -302,12 +340,17 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
-_PATH_FIELD = re.compile(r"at `\$\.(\w+)")
-_UNKNOWN_FIELD = re.compile(r"unknown field `(\w+)`")
+_PATH_FIELD = re.compile(r"at `\$\.([^`.\[]+)")
+_NAMED_FIELD = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
 
 
-def _translate(exc: msgspec.ValidationError) -> ConfigError:
-    # msgspec reports the location only inside its message, e.g. "... - at `$.health_port`".
+def translate_validation_error(exc: msgspec.ValidationError) -> ConfigError:
+    """A msgspec conversion error as a ``ConfigError`` naming the top-level field.
+
+    msgspec names the location only inside its message: "... - at `$.health_port`",
+    "... - at `$.allowed_uids[1]`", "Object contains unknown field `x`", "Object missing
+    required field `x`". Used by every config built with ``msgspec.convert`` (daemon and proxy).
+    """
     text = str(exc)
-    match = _PATH_FIELD.search(text) or _UNKNOWN_FIELD.search(text)
+    match = _PATH_FIELD.search(text) or _NAMED_FIELD.search(text)
     return ConfigError(match.group(1) if match else "config", text)

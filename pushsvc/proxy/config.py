@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import msgspec
 from yarl import URL
 
-from pushsvc.config import LOG_FORMATS, LOG_LEVELS
+from pushsvc.config import LOG_FORMATS, LOG_LEVELS, translate_validation_error
 from pushsvc.errors import ConfigError
 
 MiB = 1 << 20
@@ -85,7 +85,7 @@ def load_proxy_config(values: Mapping[str, object]) -> ProxyConfig:
     try:
         cfg = msgspec.convert(given, ProxyConfig)
     except msgspec.ValidationError as exc:
-        raise _translate(exc) from None
+        raise translate_validation_error(exc) from None
     cfg = msgspec.structs.replace(
         cfg,
         prefill=[normalize_url("prefill", u) for u in cfg.prefill],
@@ -110,14 +110,3 @@ def normalize_url(field: str, raw: str) -> str:
     if url.query_string or url.fragment or url.user or url.password:
         raise ConfigError(field, f"must not carry credentials, a query or a fragment: {raw!r}")
     return str(url).rstrip("/")
-
-
-def _translate(exc: msgspec.ValidationError) -> ConfigError:
-    # msgspec names the location only inside its message, e.g. "... - at `$.port`".
-    text = str(exc)
-    for marker in ("at `$.", "field `"):
-        start = text.find(marker)
-        if start >= 0:
-            name = text[start + len(marker):].split("`", 1)[0].split("[", 1)[0]
-            return ConfigError(name, text)
-    return ConfigError("config", text)

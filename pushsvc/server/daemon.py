@@ -26,6 +26,7 @@ from pushsvc.engine.base import Engine
 from pushsvc.metrics import Metrics
 from pushsvc.server.health import HealthServer
 from pushsvc.server.progress import ProgressLoop
+from pushsvc.server.rundir import prepare_runtime_dir, prepare_socket_dir
 from pushsvc.server.service import PushService
 from pushsvc.server.workers import WorkerServer
 
@@ -75,14 +76,12 @@ class Daemon:
             return
         self.started = True
         _raise_fd_limit()
-        # Owner only; with a socket group, members may traverse to reach the socket.
-        mode = 0o710 if self.workers.gid is not None else 0o700
-        os.makedirs(self.config.runtime_dir, mode=mode, exist_ok=True)
-        if self.workers.gid is not None:
-            os.chown(self.config.runtime_dir, -1, self.workers.gid)
-        os.chmod(self.config.runtime_dir, mode)
+        prepare_runtime_dir(self.config.runtime_dir, self.workers.gid)
+        prepare_socket_dir(self.config.socket_path, self.config.runtime_dir, self.workers.gid)
         self.workers.start()
         await self.service.peers.start(self.config.side_channel_host, self.config.side_channel_port)
+        if self.config.insecure_side_channel and not self.config.side_channel_secret_file:
+            log.warning("side_channel_unauthenticated", host=self.config.side_channel_host, port=self.service.peers.port)
         await self.health.start()
         self._progress_task = asyncio.get_running_loop().create_task(self.progress.run(), name="pushsvc-progress")
         log.info("daemon_started", engine_id=self.config.engine_id, daemon_id=self.daemon_id[:8],

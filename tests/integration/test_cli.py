@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -43,8 +46,6 @@ def test_invalid_config_file_exits_2(base_dir):
 
 
 def test_invalid_env_exits_2(base_dir):
-    import os
-
     env = {**os.environ, "PUSHSVC_WATCHDOG_S": "soon"}
     out = _pushsvc("serve", "--runtime-dir", str(base_dir), env=env)
     assert out.returncode == 2 and "watchdog_s" in out.stderr
@@ -104,3 +105,98 @@ def test_second_daemon_on_a_live_socket_refuses(base_dir):
         assert d.get("/healthz")[0] == 200
     finally:
         assert d.stop() == 0
+
+
+# ---------------------------------------------------------------- side channel off loopback
+
+
+def _events(log: str) -> list[dict]:
+    return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+
+
+def test_side_channel_off_loopback_without_a_secret_exits_2(base_dir):
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir), "--side-channel-host", "0.0.0.0",
+                   "--allowed-peer-host", "10.0.0.0/8")
+    assert out.returncode == 2
+    assert "side_channel_secret_file" in out.stderr and "--insecure-side-channel" in out.stderr
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir), "--side-channel-host", "0.0.0.0",
+                   "--insecure-side-channel")
+    assert out.returncode == 2 and "allowed_peer_hosts" in out.stderr
+
+
+def test_insecure_side_channel_and_peer_hosts_flags(base_dir):
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir), "--side-channel-host", "0.0.0.0",
+                   "--insecure-side-channel", "--allowed-peer-host", "10.0.0.0/8", "--allowed-peer-host", "*",
+                   "--print-config")
+    assert out.returncode == 0, out.stderr
+    resolved = json.loads(out.stdout)
+    assert resolved["insecure_side_channel"] is True
+    assert resolved["allowed_peer_hosts"] == ["10.0.0.0/8", "*"]
+
+
+def test_insecure_side_channel_warns_at_every_start(base_dir):
+    for _ in range(2):
+        d = start_daemon(base_dir, "insecure", "--insecure-side-channel")
+        assert d.stop() == 0
+        warned = [e for e in _events(d.log()) if e.get("event") == "side_channel_unauthenticated"]
+        assert len(warned) == 1 and warned[0]["level"] == "warning", d.log()
+        assert warned[0]["port"] == d.side_port
+    d = start_daemon(base_dir, "secure")  # on loopback without the opt-out: no warning
+    assert d.stop() == 0
+    assert not [e for e in _events(d.log()) if e.get("event") == "side_channel_unauthenticated"]
+
+
+# ---------------------------------------------------------------- runtime and socket directories
+
+
+def test_runtime_dir_of_another_user_exits_2(base_dir):
+    if os.geteuid() != 0:
+        pytest.skip("makes a directory owned by another uid: needs root")
+    taken = base_dir / "pushsvc-0"  # what another local user could create under /tmp first
+    taken.mkdir(mode=0o777)
+    os.chown(taken, 65534, 65534)
+    out = _pushsvc("serve", "--runtime-dir", str(taken), "--health-port", "0", "--side-channel-port", "0",
+                   timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert f"runtime_dir: {taken} is owned by uid 65534 (nobody)" in out.stderr
+    assert not (taken / "pushsvc.sock").exists()
+
+
+def test_runtime_dir_symlink_exits_2(base_dir):
+    (base_dir / "real").mkdir()
+    (base_dir / "link").symlink_to(base_dir / "real")
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir / "link"), "--health-port", "0",
+                   "--side-channel-port", "0", timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert f"runtime_dir: {base_dir / 'link'} is a symbolic link" in out.stderr
+    assert not list((base_dir / "real").iterdir())
+
+
+def test_missing_socket_dir_is_created_0700(base_dir):
+    sock = base_dir / "sockets" / "p" / "pushsvc.sock"
+    d = start_daemon(base_dir, "sockdir", "--socket", str(sock))
+    try:
+        assert d.socket == str(sock) and sock.is_socket()
+        assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+    finally:
+        assert d.stop() == 0
+
+
+def test_socket_dir_that_cannot_be_created_exits_2(base_dir):
+    (base_dir / "file").write_text("")
+    sock = base_dir / "file" / "dir" / "pushsvc.sock"
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir / "rt"), "--socket", str(sock), "--health-port", "0",
+                   "--side-channel-port", "0", timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert f"socket_path: cannot create the directory {sock.parent}" in out.stderr
+
+
+def test_example_config_passes_print_config(base_dir):
+    secret = base_dir / "side-channel.secret"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    secret.chmod(0o600)
+    example = Path(__file__).resolve().parents[2] / "deploy" / "pushsvc.toml"
+    out = _pushsvc("serve", "--config", str(example), "--side-channel-secret-file", str(secret), "--print-config")
+    assert out.returncode == 0, out.stderr
+    resolved = json.loads(out.stdout)
+    assert resolved["side_channel_secret_file"] == str(secret) and resolved["allowed_peer_hosts"]

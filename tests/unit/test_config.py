@@ -6,10 +6,12 @@ import os
 import socket
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from pushsvc.config import MiB, Config, load_config, to_dict
+from pushsvc.config import MiB, Config, load_config, to_dict, translate_validation_error
 from pushsvc.errors import ConfigError
+from pushsvc.proxy.config import ProxyConfig, load_proxy_config
 
 # A stand-in for an empty environment that still fixes the runtime dir.
 BASE_ENV = {"XDG_RUNTIME_DIR": "/run/user/1000"}
@@ -41,6 +43,8 @@ def test_defaults_resolve_under_xdg_runtime_dir() -> None:
     assert cfg.nixl_backends == ["UCX"]
     assert cfg.max_worker_frame == 16 * MiB
     assert cfg.allowed_uids == []
+    assert cfg.side_channel_secret_file == "" and cfg.insecure_side_channel is False
+    assert cfg.allowed_peer_hosts == []
 
 
 def test_runtime_dir_falls_back_to_tmp_per_uid() -> None:
@@ -68,7 +72,8 @@ def test_explicit_values_are_kept_by_resolve() -> None:
 
 
 def test_wildcard_bind_advertises_hostname() -> None:
-    cfg = load_config(env=BASE_ENV, overrides={"side_channel_host": "0.0.0.0"})
+    cfg = load_config(env=BASE_ENV, overrides={"side_channel_host": "0.0.0.0", "insecure_side_channel": True,
+                                                "allowed_peer_hosts": ["*"]})
     assert cfg.advertised_host == socket.gethostname()
 
 
@@ -227,3 +232,120 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_toml_syntax_error(tmp_path: Path) -> None:
     path = write(tmp_path, "health_port = = 1\n")
     assert config_error(path=path).field == "config"
+
+
+# The side channel off loopback: a secret (or the loud opt-out) and the peers it may dial
+
+
+def secret_file(tmp_path: Path) -> str:
+    path = tmp_path / "side-channel.secret"
+    path.write_text("s" * 32 + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "10.0.0.5", "fd00::5", "prefill-0.example.internal",
+                                  "127.0.0.1.example"])
+def test_side_channel_off_loopback_needs_a_secret(host: str) -> None:
+    err = config_error(overrides={"side_channel_host": host, "allowed_peer_hosts": ["10.0.0.0/8"]})
+    assert err.field == "side_channel_secret_file"
+    assert f"side_channel_host ({host!r}) is not a loopback address" in err.message
+    # Says how to make one, and names the opt-out in every layer.
+    assert "head -c 32 /dev/urandom | base64" in err.message and "chmod 600" in err.message
+    for spelling in ("insecure_side_channel = true", "--insecure-side-channel", "PUSHSVC_INSECURE_SIDE_CHANNEL=1"):
+        assert spelling in err.message
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost", "LocalHost"])
+def test_side_channel_on_loopback_needs_neither_secret_nor_peer_list(host: str) -> None:
+    cfg = load_config(env=BASE_ENV, overrides={"side_channel_host": host})
+    assert cfg.side_channel_host == host and cfg.allowed_peer_hosts == []
+
+
+def test_a_secret_opens_the_side_channel_beyond_loopback(tmp_path: Path) -> None:
+    cfg = load_config(env=BASE_ENV, overrides={"side_channel_host": "0.0.0.0", "allowed_peer_hosts": ["10.0.0.0/8"],
+                                                "side_channel_secret_file": secret_file(tmp_path)})
+    assert cfg.insecure_side_channel is False
+
+
+def test_insecure_side_channel_is_the_explicit_opt_out(tmp_path: Path) -> None:
+    overrides = {"side_channel_host": "0.0.0.0", "allowed_peer_hosts": ["*"]}
+    assert load_config(env=BASE_ENV, overrides={**overrides, "insecure_side_channel": True}).insecure_side_channel
+    env = {**BASE_ENV, "PUSHSVC_INSECURE_SIDE_CHANNEL": "1"}
+    assert load_config(env=env, overrides=overrides).insecure_side_channel
+    path = write(tmp_path, 'side_channel_host = "::"\ninsecure_side_channel = true\nallowed_peer_hosts = ["*"]\n')
+    assert load_config(path, env=BASE_ENV).insecure_side_channel
+    # false is false, in every spelling
+    err = config_error(env={**BASE_ENV, "PUSHSVC_INSECURE_SIDE_CHANNEL": "no"}, overrides=overrides)
+    assert err.field == "side_channel_secret_file"
+
+
+def test_side_channel_off_loopback_needs_allowed_peer_hosts(tmp_path: Path) -> None:
+    for extra in ({"side_channel_secret_file": secret_file(tmp_path)}, {"insecure_side_channel": True}):
+        err = config_error(overrides={"side_channel_host": "0.0.0.0", **extra})
+        assert err.field == "allowed_peer_hosts"
+        assert "is not a loopback address" in err.message
+        assert "10.0.0.0/8" in err.message and '"*" allows any host' in err.message
+
+
+def test_allowed_peer_hosts_from_every_layer(tmp_path: Path) -> None:
+    env = {**BASE_ENV, "PUSHSVC_ALLOWED_PEER_HOSTS": "10.0.0.0/8, decode-0.example.internal,fd00::/8"}
+    assert load_config(env=env).allowed_peer_hosts == ["10.0.0.0/8", "decode-0.example.internal", "fd00::/8"]
+    path = write(tmp_path, 'allowed_peer_hosts = ["192.168.0.0/16", "*"]\n')
+    assert load_config(path, env=BASE_ENV).allowed_peer_hosts == ["192.168.0.0/16", "*"]
+    cfg = load_config(path, env=env, overrides={"allowed_peer_hosts": ["10.1.2.3"]})
+    assert cfg.allowed_peer_hosts == ["10.1.2.3"]
+
+
+@pytest.mark.parametrize(
+    ("entry", "words"),
+    [("10.0.0.0/33", "is not an IP address, a CIDR network"), ("10.0.0.1/8", "did you mean 10.0.0.0/8?"),
+     ("*.example.com", "wildcard patterns are not supported"), ("host:8472", "is not an IP address"),
+     ("", "is not an IP address")],
+)
+def test_allowed_peer_hosts_entries_must_parse(entry: str, words: str) -> None:
+    # Checked whatever the bind host: a list that does not parse is a mistake either way.
+    err = config_error(overrides={"allowed_peer_hosts": ["10.0.0.0/8", entry]})
+    assert err.field == "allowed_peer_hosts"
+    assert words in err.message and repr(entry) in err.message
+
+
+def test_allowed_peer_hosts_wrong_type_in_toml(tmp_path: Path) -> None:
+    path = write(tmp_path, 'allowed_peer_hosts = "10.0.0.0/8"\n')
+    err = config_error(path=path)
+    assert err.field == "allowed_peer_hosts" and "Expected `array`, got `str`" in err.message
+
+
+# One translation of msgspec's conversion errors, for the daemon's and the proxy's config
+
+
+def _conversion_error(value: object, typ: type) -> msgspec.ValidationError:
+    with pytest.raises(msgspec.ValidationError) as info:
+        msgspec.convert(value, typ)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("value", "typ", "field"),
+    [
+        ({"health_port": "80"}, Config, "health_port"),
+        ({"allowed_uids": [1000, "bob"]}, Config, "allowed_uids"),
+        ({"allowed_peer_hosts": [1]}, Config, "allowed_peer_hosts"),
+        ({"no_such_field": 1}, Config, "no_such_field"),
+        ([1, 2], Config, "config"),
+        ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "port": 1}, ProxyConfig, "prefill_daemon"),
+        ({}, ProxyConfig, "prefill"),
+        ({"prefill": "http://p:1"}, ProxyConfig, "prefill"),
+        ({"prefill": [], "prefill_daemon": [], "decode": [], "port": "x"}, ProxyConfig, "port"),
+    ],
+)
+def test_translate_validation_error_names_the_top_level_field(value: object, typ: type, field: str) -> None:
+    exc = _conversion_error(value, typ)
+    err = translate_validation_error(exc)
+    assert (err.field, err.message) == (field, str(exc))
+
+
+def test_proxy_config_reports_conversion_errors_the_same_way() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_proxy_config({"prefill": ["http://p:1"], "decode": ["http://d:1"], "port": 1})
+    assert info.value.field == "prefill_daemon"

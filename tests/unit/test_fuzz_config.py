@@ -54,6 +54,11 @@ _any_value = st.one_of(
 )
 
 
+# allowed_peer_hosts entries, valid and nearly so.
+_PEER_HOSTS = st.sampled_from(["*", "10.0.0.0/8", "10.0.0.1/8", "10.0.0.0/33", "fd00::/8", "fe80::1%eth0",
+                               "::ffff:10.0.0.0/104", "decode-0.example", "*.example", "10.0.0.256", "[::1]"])
+
+
 def _field_value(typ: Any) -> st.SearchStrategy[Any]:
     """Mostly the right type (with edge values), sometimes anything."""
     right = {
@@ -61,10 +66,11 @@ def _field_value(typ: Any) -> st.SearchStrategy[Any]:
         int: st.one_of(st.integers(-2, 70000), st.integers(-(2**64), 2**64)),
         float: st.one_of(st.floats(-1, 1e6), st.floats()),
         str: st.one_of(_text(0, 40), st.sampled_from(["", "/tmp/x", "/" + "a" * 200, "json", "info", "0.0.0.0",
-                                                       "::", "-1", "a\x00b", "UCX"])),
+                                                       "::", "-1", "a\x00b", "UCX", "127.0.0.1", "localhost",
+                                                       "::1", "10.0.0.5"])),
     }.get(typ)
     if right is None:  # list[int] or list[str]
-        right = st.lists(st.one_of(_text(0, 8), st.integers(-3, 2**40)), max_size=3)
+        right = st.lists(st.one_of(_text(0, 8), st.integers(-3, 2**40), _PEER_HOSTS), max_size=3)
     return st.one_of(right, right, _any_value)
 
 

@@ -1,0 +1,94 @@
+"""The examples in deploy/ stay loadable: pushsvc.toml and the daemon's environment in
+sidecar.yaml pass load_config once their secret file exists, and pushsvc.toml lists every key."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from pushsvc.config import Config, load_config
+from pushsvc.errors import ConfigError
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+EXAMPLE_TOML = DEPLOY / "pushsvc.toml"
+SIDECAR = DEPLOY / "sidecar.yaml"
+
+
+@pytest.fixture
+def secret(tmp_path: Path) -> str:
+    path = tmp_path / "side-channel.secret"
+    path.write_text("0123456789abcdef0123456789abcdef\n")
+    path.chmod(0o400)
+    return str(path)
+
+
+def test_example_toml_lists_every_key() -> None:
+    with open(EXAMPLE_TOML, "rb") as f:
+        keys = set(tomllib.load(f))
+    assert keys == {f.name for f in msgspec.structs.fields(Config)}
+
+
+def test_example_toml_loads_with_its_secret(secret: str) -> None:
+    cfg = load_config(str(EXAMPLE_TOML), env={}, overrides={"side_channel_secret_file": secret})
+    # Off loopback, authenticated, and a list of peers to dial; no opt-out.
+    assert cfg.side_channel_host == "0.0.0.0"
+    assert cfg.insecure_side_channel is False
+    assert cfg.allowed_peer_hosts and "*" not in cfg.allowed_peer_hosts
+
+
+def test_example_toml_names_a_secret_file_it_requires() -> None:
+    with open(EXAMPLE_TOML, "rb") as f:
+        named = tomllib.load(f)["side_channel_secret_file"]
+    if os.path.exists(named):
+        pytest.skip(f"{named} exists on this machine")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(EXAMPLE_TOML), env={})
+    assert info.value.field == "side_channel_secret_file" and named in info.value.message
+
+
+def _sidecar() -> dict:
+    yaml = pytest.importorskip("yaml")  # installed with the vllm extra (make venv)
+    return yaml.safe_load(SIDECAR.read_text())
+
+
+def _container(pod: dict, name: str) -> dict:
+    spec = pod["spec"]
+    (found,) = [c for c in spec["initContainers"] + spec["containers"] if c["name"] == name]
+    return found
+
+
+def test_sidecar_daemon_environment_loads_with_its_secret(secret: str) -> None:
+    daemon = _container(_sidecar(), "pushsvc")
+    fields = {"POD_NAME": "vllm-prefill-0", "POD_IP": "10.244.1.7"}
+    env: dict[str, str] = {}
+    for var in daemon["env"]:
+        if "value" in var:
+            value = var["value"]
+            for ref, sub in fields.items():
+                value = value.replace(f"$({ref})", sub)
+            env[var["name"]] = value
+    assert env["PUSHSVC_SIDE_CHANNEL_SECRET_FILE"].startswith("/")
+    cfg = load_config(None, env={**env, "PUSHSVC_SIDE_CHANNEL_SECRET_FILE": secret})
+    assert cfg.side_channel_host == "0.0.0.0" and cfg.insecure_side_channel is False
+    assert cfg.allowed_peer_hosts and cfg.engine_id == "vllm-prefill-0" and cfg.advertised_host == "10.244.1.7"
+
+
+def test_sidecar_gives_the_daemon_a_private_0400_copy_of_the_secret() -> None:
+    pod = _sidecar()
+    daemon, copier, vllm = (_container(pod, n) for n in ("pushsvc", "pushsvc-secret", "vllm"))
+    secret_file = next(v["value"] for v in daemon["env"] if v["name"] == "PUSHSVC_SIDE_CHANNEL_SECRET_FILE")
+    init_names = [c["name"] for c in pod["spec"]["initContainers"]]
+    assert init_names.index("pushsvc-secret") < init_names.index("pushsvc")  # copied before the daemon starts
+    command = copier["command"]
+    assert command[:3] == ["install", "-m", "0400"] and command[-1] == secret_file
+    copy_dir = os.path.dirname(secret_file)
+    (volume,) = [m["name"] for m in daemon["volumeMounts"] if m["mountPath"] == copy_dir]
+    assert [m["name"] for m in copier["volumeMounts"] if m["mountPath"] == copy_dir] == [volume]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes[volume]["emptyDir"]["medium"] == "Memory"
+    secret_volumes = {name for name, v in volumes.items() if "secret" in v} | {volume}
+    assert not secret_volumes & {m["name"] for m in vllm["volumeMounts"]}  # vLLM never sees it
