@@ -27,6 +27,7 @@ import structlog
 
 from pushsvc.errors import AuthError, HandshakeError, MalformedInput, ProtocolError
 from pushsvc.metrics import Metrics
+from pushsvc.peer_hosts import PeerHostPolicy
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol.framing import CountingDecoder
 from pushsvc.server.handshake import PeerIntro, handshake
@@ -110,11 +111,9 @@ class PeerLink(Protocol):
     def live_daemons(self) -> Container[str]: ...
 
 
+# Whether a host name, resolved to these addresses, may be dialed (``peer_hosts``).
 HostPolicy = Callable[[str, Sequence[str]], bool]
-
-
-def loopback_only(name: str, addresses: Sequence[str]) -> bool:
-    return bool(addresses) and all(a.startswith("127.") or a == "::1" for a in addresses)
+LOOPBACK_ONLY: HostPolicy = PeerHostPolicy.build([]).allows
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +128,7 @@ class PeerManager:
     def __init__(self, *, daemon_id: str, engine_id: str, advertised_host: str,
                  local_agents: Callable[[], list[pp.AgentInfo]], events: PeerEvents, metrics: Metrics,
                  settings: PeerSettings, secret: bytes | None = None,
-                 allowed_host: HostPolicy = loopback_only) -> None:
+                 allowed_host: HostPolicy = LOOPBACK_ONLY) -> None:
         self.daemon_id = daemon_id
         self.engine_id = engine_id
         self.advertised_host = advertised_host

@@ -20,11 +20,12 @@ from pushsvc.config import Config, read_secret_file
 from pushsvc.engine.base import Engine
 from pushsvc.errors import LayoutError, ProtocolError, TransferError
 from pushsvc.metrics import Metrics
+from pushsvc.peer_hosts import PeerHostPolicy
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
 from pushsvc.server.outbox import Outbox
-from pushsvc.server.peers import HostPolicy, Peer, PeerManager, PeerSettings, loopback_only
+from pushsvc.server.peers import Peer, PeerManager, PeerSettings
 from pushsvc.server.progress import Pace
 from pushsvc.server.ranks import Rank, RankMemory, RankRegistry, WorkerLink, layout_from_regions
 from pushsvc.server.receiver import ReceiveSettings, Receiver
@@ -41,8 +42,7 @@ _TABLES = ("p_registrations", "p_staged", "p_writing", "d_pending", "inflight")
 
 
 class PushService:
-    def __init__(self, config: Config, engine: Engine, metrics: Metrics, daemon_id: str | None = None,
-                 allowed_host: HostPolicy = loopback_only) -> None:
+    def __init__(self, config: Config, engine: Engine, metrics: Metrics, daemon_id: str | None = None) -> None:
         self.config = config
         self.engine = engine
         self.metrics = metrics
@@ -64,7 +64,9 @@ class PushService:
                                   config.peer_timeout_s),
             # Read once, here at start; the file was checked when the config was loaded.
             secret=read_secret_file(config.side_channel_secret_file) if config.side_channel_secret_file else None,
-            allowed_host=allowed_host,
+            # D dials the P a client's kv_transfer_params name, P the D that registered:
+            # only hosts the operator listed (loopback when none).
+            allowed_host=PeerHostPolicy.build(config.allowed_peer_hosts).allows,
         )
         outbox = Outbox(self.ranks, metrics)
         self.sender = Sender(settings=SendSettings.of(config), outbox=outbox, peers=self.peers, metrics=metrics,

@@ -15,7 +15,7 @@ from pushsvc.errors import HandshakeError
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
 from pushsvc.protocol.framing import PREAMBLE, encode_preamble, frame
-from pushsvc.server.peers import loopback_only
+from pushsvc.server.peers import LOOPBACK_ONLY
 
 
 def impostor(engine_id: str):
@@ -101,10 +101,21 @@ async def test_a_daemon_dials_no_host_its_policy_refuses() -> None:
 
 
 def test_loopback_only_is_the_default_policy() -> None:
-    assert loopback_only("localhost", ["127.0.0.1", "::1"])
-    assert not loopback_only("p.example", ["10.0.0.5"])
-    assert not loopback_only("mixed", ["127.0.0.1", "10.0.0.5"])
-    assert not loopback_only("nothing", [])
+    assert LOOPBACK_ONLY("localhost", ["127.0.0.1", "::1"])
+    assert not LOOPBACK_ONLY("p.example", ["10.0.0.5"])
+    assert not LOOPBACK_ONLY("mixed", ["127.0.0.1", "10.0.0.5"])
+    assert not LOOPBACK_ONLY("nothing", [])
+
+
+@pytest.mark.asyncio
+async def test_the_daemon_dials_by_its_allowed_peer_hosts() -> None:
+    """The configured policy is the one the peer manager applies: a host outside it is
+    refused before any connection, one inside it is dialed."""
+    async with push_pair(d_config={"allowed_peer_hosts": ["127.0.0.2"]}) as pair:
+        policy = pair.d.service.peers._allowed_host
+        assert policy("127.0.0.1", ["127.0.0.1"])  # loopback is always allowed
+        assert policy("p.internal", ["127.0.0.2"])
+        assert not policy("p.internal", ["10.1.2.3"])
 
 
 @pytest.mark.asyncio
