@@ -1,0 +1,161 @@
+"""Daemon <-> daemon side-channel messages: round trips, bounds, what the decoder refuses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from pushsvc.protocol import peer, worker
+
+pack = msgspec.msgpack.encode
+unpack = msgspec.msgpack.decode
+
+# ---------------------------------------------------------------- daemon <-> daemon
+
+AGENT = peer.AgentInfo(
+    rank=1,
+    tp_size=2,
+    agent_name="prefill-0-rank1",
+    metadata=b"\x00nixl-md\xff",
+    regions=[
+        peer.RegionInfo(base=0x7F0000000000, block_len=4096, num_blocks=100),
+        peer.RegionInfo(base=2**63 - 1, block_len=1, num_blocks=1, block_stride=64, group=3, layer_names=["a", "b"]),
+    ],
+    blocks_per_logical=2,
+    mem_type="VRAM",
+)
+
+PEER_MESSAGES = [
+    peer.PeerHello(
+        daemon_id="d-1",
+        engine_id="prefill-0",
+        side_channel_host="10.0.0.1",
+        side_channel_port=5600,
+        agents=[AGENT, peer.AgentInfo(rank=0, tp_size=2, agent_name="a0", metadata=b"", regions=[])],
+        heartbeat_interval_s=0.25,
+    ),
+    peer.PeerHello(daemon_id="d", engine_id="e", side_channel_host="h", side_channel_port=0, agents=[]),
+    peer.AgentsUpdate(agents=[AGENT]),
+    peer.PushFailed(request_id="cmpl-abc-0-deadbeef", rank=3, reason="handshake failed"),
+    peer.CancelPush(request_id="cmpl-abc-0-deadbeef", rank=1),
+    peer.PushCancelled(request_id="cmpl-abc-0-deadbeef", rank=1),
+    peer.WriteStarted(request_id="cmpl-abc-0-deadbeef", rank=1, nbytes=1 << 20),
+    peer.Heartbeat(seq=12),
+    peer.Heartbeat(),
+    peer.Goodbye(reason="shutdown"),
+    peer.Goodbye(),
+    peer.AuthChallenge(nonce=bytes(range(32)), daemon_id="d-1"),
+    peer.AuthProof(mac=b"\xab" * 32),
+]
+
+PEER_TAGS = {
+    peer.PeerHello: "hello",
+    peer.AgentsUpdate: "agents",
+    peer.PushFailed: "push_failed",
+    peer.CancelPush: "cancel",
+    peer.PushCancelled: "cancelled",
+    peer.WriteStarted: "writing",
+    peer.Heartbeat: "hb",
+    peer.Goodbye: "bye",
+    peer.AuthChallenge: "auth_challenge",
+    peer.AuthProof: "auth_proof",
+}
+
+
+def test_every_peer_message_type_is_exercised() -> None:
+    assert {type(m) for m in PEER_MESSAGES} == set(peer.PeerMessage.__args__) == set(PEER_TAGS)
+
+
+@pytest.mark.parametrize("msg", PEER_MESSAGES, ids=lambda m: type(m).__name__)
+def test_peer_message_round_trip(msg: msgspec.Struct) -> None:
+    data = peer.encode(msg)
+    assert peer.peer_decoder.decode(data) == msg
+    assert unpack(data)["t"] == PEER_TAGS[type(msg)]
+
+
+def test_region_info_stride() -> None:
+    assert AGENT.regions[0].stride == 4096
+    assert AGENT.regions[1].stride == 64
+
+
+def test_agent_info_defaults() -> None:
+    agent = peer.AgentInfo(rank=0, tp_size=1, agent_name="a", metadata=b"m", regions=[])
+    assert agent.blocks_per_logical == 1
+    assert agent.mem_type == "DRAM"
+
+
+def test_protocol_magics_differ() -> None:
+    """A worker dialling the side-channel port (or a peer the socket) fails at the preamble."""
+    assert len(worker.MAGIC) == len(peer.MAGIC) == 4
+    assert worker.MAGIC != peer.MAGIC
+
+
+def _agent(**changes: Any) -> dict[str, Any]:
+    return {"rank": 0, "tp_size": 1, "agent_name": "a", "metadata": b"m", "regions": [], **changes}
+
+
+def _peer_hello(**changes: Any) -> dict[str, Any]:
+    return {
+        "t": "hello",
+        "daemon_id": "d",
+        "engine_id": "e",
+        "side_channel_host": "h",
+        "side_channel_port": 5600,
+        "agents": [_agent()],
+        **changes,
+    }
+
+
+def _region_info(**changes: Any) -> dict[str, Any]:
+    return {"base": 0, "block_len": 16, "num_blocks": 4, **changes}
+
+
+def test_valid_raw_peer_maps_decode() -> None:
+    peer.peer_decoder.decode(pack(_peer_hello()))
+    peer.peer_decoder.decode(pack(_peer_hello(agents=[_agent(regions=[_region_info()])])))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(_peer_hello(extra=1), id="unknown-field"),
+        pytest.param(_peer_hello(agents=[_agent(extra=1)]), id="unknown-agent-field"),
+        pytest.param(_peer_hello(agents=[_agent(regions=[_region_info(extra=1)])]), id="unknown-region-field"),
+        pytest.param({**_peer_hello(), "t": "helo"}, id="unknown-tag"),
+        pytest.param(_peer_hello(side_channel_port=65536), id="port-too-large"),
+        pytest.param(_peer_hello(side_channel_port=-1), id="port-negative"),
+        pytest.param(_peer_hello(heartbeat_interval_s=0), id="heartbeat-zero"),
+        pytest.param(_peer_hello(heartbeat_interval_s=3601), id="heartbeat-too-long"),
+        pytest.param(_peer_hello(heartbeat_interval_s="1"), id="heartbeat-as-string"),
+        pytest.param(_peer_hello(agents=[_agent()] * 1025), id="too-many-agents"),
+        pytest.param(_peer_hello(agents=[_agent(tp_size=0)]), id="agent-tp-zero"),
+        pytest.param(_peer_hello(agents=[_agent(rank=-1)]), id="agent-rank-negative"),
+        pytest.param(_peer_hello(agents=[_agent(mem_type="HBM")]), id="mem-type-unknown"),
+        pytest.param(_peer_hello(agents=[_agent(mem_type="dram")]), id="mem-type-lower-case"),
+        pytest.param(_peer_hello(agents=[_agent(metadata="text")]), id="metadata-not-bytes"),
+        pytest.param(_peer_hello(agents=[_agent(blocks_per_logical=0)]), id="agent-ratio-zero"),
+        pytest.param(_peer_hello(agents=[_agent(regions=[_region_info(base=-1)])]), id="region-base-negative"),
+        pytest.param(_peer_hello(agents=[_agent(regions=[_region_info(block_len=0)])]), id="region-block-len-zero"),
+        pytest.param(_peer_hello(agents=[_agent(regions=[_region_info(group=64)])]), id="region-group-too-large"),
+        pytest.param({"t": "push_failed", "request_id": "r", "rank": -1, "reason": "x"}, id="push-failed-rank"),
+        pytest.param({"t": "push_failed", "request_id": "r", "rank": 0, "reason": "x" * 4097}, id="reason-too-long"),
+        pytest.param({"t": "push_failed", "request_id": "r", "rank": 0}, id="push-failed-missing-reason"),
+        pytest.param({"t": "hb", "seq": -1}, id="heartbeat-seq-negative"),
+        pytest.param({"t": "agents", "agents": {}}, id="agents-not-a-list"),
+    ],
+)
+def test_peer_decoder_rejects_invalid_messages(raw: dict[str, Any]) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        peer.peer_decoder.decode(pack(raw))
+
+
+def test_peer_decoder_does_not_accept_worker_hello() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        peer.peer_decoder.decode(worker.encode(worker.Hello(engine_id="e", rank=0, tp_size=1, role="producer")))
+
+
+def test_peer_decoder_rejects_garbage() -> None:
+    with pytest.raises(msgspec.DecodeError):
+        peer.peer_decoder.decode(b"\xc1\x00")
