@@ -14,8 +14,9 @@ import structlog
 
 from pushsvc.engine.base import Agent, DListHandle
 from pushsvc.errors import LayoutError, TransferError
+from pushsvc.protocol.notif import PushReg
 from pushsvc.protocol.peer import AgentInfo
-from pushsvc.state.layout import Layout, RegionSpec, check_compatible, descriptor_table
+from pushsvc.state.layout import Layout, RegionSpec, check_block_ids, check_compatible, descriptor_table
 
 log = structlog.get_logger("pushsvc.remotes")
 
@@ -26,6 +27,21 @@ def layout_of_agent(info: AgentInfo) -> Layout:
         tuple(RegionSpec(r.base, r.block_len, r.num_blocks, r.stride, r.group) for r in info.regions),
         info.blocks_per_logical,
     )
+
+
+def registration_error(engine_id: str, info: AgentInfo, reg: PushReg) -> tuple[str, str] | None:
+    """Why the known agent ``info`` of engine ``engine_id`` may not send ``reg``, as
+    (reason, message), or None. An agent registers only for its own engine, rank and TP
+    size (so it cannot squat on a request id the real D will use), and only blocks inside
+    the layout it advertised (blocks outside it could never be written)."""
+    if engine_id != reg.decode_engine_id or info.rank != reg.decode_rank or info.tp_size != reg.decode_tp_size:
+        return ("push_reg_sender_mismatch",
+                f"agent of {engine_id} rank {info.rank} sent a PUSH_REG for {reg.decode_engine_id} rank {reg.decode_rank}")
+    try:
+        check_block_ids(layout_of_agent(info), reg.local_block_ids, "PUSH_REG")
+    except LayoutError as exc:
+        return "push_reg_blocks", str(exc)
+    return None
 
 
 class RemoteAgents:

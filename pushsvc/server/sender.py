@@ -31,7 +31,7 @@ from pushsvc.protocol import worker as wp
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
-from pushsvc.server.remotes import layout_of_agent
+from pushsvc.server.remotes import registration_error
 from pushsvc.server.tasks import TaskSet
 from pushsvc.server.verify import digest_blocks
 from pushsvc.state.layout import check_block_ids, plan_write
@@ -141,10 +141,8 @@ class Sender:
             self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason="cancelled"))
 
     def worker_detached(self, rank: Rank) -> None:
-        state = self._ranks.get(rank)
-        if state is not None:
-            for rid in list(state.table.staged):
-                self.evict(rank, rid)
+        for rid in list(self._ranks[rank].table.staged) if rank in self._ranks else ():
+            self.evict(rank, rid)
 
     # ------------------------------------------------------------------ from D
 
@@ -181,12 +179,9 @@ class Sender:
             self._outbox.tell(rank, wp.SendFailed(request_id=staged.request_id, reason=reason))
 
     def peer_up(self, peer: Peer) -> None:
-        """A new session with ``peer``: unverified registrations claiming its engine came
-        before it (a legitimate one is announced within its own session), so the
-        announcement of this session cannot vouch for them."""
-        self._drop_unverified(peer)
-
-    def _drop_unverified(self, peer: Peer) -> None:
+        """A new session with ``peer``. Unverified registrations claiming its engine came
+        before it (a real one is announced within its own session): this session's
+        announcements cannot vouch for them. The end of a session drops them too."""
         for state in self._ranks.values():
             for registration in state.table.drop_unverified(peer.engine_id):
                 log.info("registration_dropped", request_id=registration.request_id, peer=registration.sender,
@@ -210,24 +205,14 @@ class Sender:
                 self._registered(rank, registration.reg, registration.sender, peer, result)
 
     def _sender_checks_out(self, peer: Peer, sender: str, reg: notif.PushReg) -> bool:
-        """A known agent may register only for its own engine, rank and TP size, and
-        only blocks inside its advertised layout."""
-        info = peer.agents[sender]
-        if (peer.engine_id != reg.decode_engine_id or info.rank != reg.decode_rank
-                or info.tp_size != reg.decode_tp_size):
-            # Refused here, it cannot squat on a request id the real D will use.
-            self._malformed("push_reg_sender_mismatch", sender,
-                            ProtocolError(f"agent of {peer.engine_id} rank {info.rank} sent a PUSH_REG for "
-                                          f"{reg.decode_engine_id} rank {reg.decode_rank}"))
-            return False
-        try:
-            check_block_ids(layout_of_agent(info), reg.local_block_ids, "PUSH_REG")
-        except LayoutError as exc:
-            # D's layout is known: these blocks can never be written. D hears why.
-            self._malformed("push_reg_blocks", sender, exc)
-            self._tell_d(peer, reg, f"registration rejected: {exc}")
-            return False
-        return True
+        error = registration_error(peer.engine_id, peer.agents[sender], reg)
+        if error is None:
+            return True
+        reason, message = error
+        self._malformed(reason, sender, ProtocolError(message))
+        if reason == "push_reg_blocks":  # D's own registration, with blocks it cannot have: D hears why
+            self._tell_d(peer, reg, f"registration rejected: {message}")
+        return False
 
     def _registered(self, rank: Rank, reg: notif.PushReg, sender: str, peer: Peer | None, result: RegResult) -> None:
         outcome = result.outcome
@@ -445,7 +430,7 @@ class Sender:
         WRITEs still target (they stay loaded until those settle)."""
         names = set(peer.agents)
         busy: set[str] = set()
-        self._drop_unverified(peer)
+        self.peer_up(peer)  # its unverified registrations go as well
         for rank, state in self._ranks.items():
             for registration in state.table.drop_registrations_from(names):
                 self._metrics.failures.labels("peer_lost").inc()
@@ -479,8 +464,7 @@ class Sender:
         return {w.remote_agent for w in state.writes.values()} if state else set()
 
     def settled(self, rank: Rank) -> bool:
-        state = self._ranks.get(rank)
-        return state is None or not state.writes
+        return not self.writes_to(rank)
 
     def busy(self, rank: Rank) -> bool:
         state = self._ranks.get(rank)
@@ -502,9 +486,7 @@ class Sender:
     def abandon(self, rank: Rank, reason: str) -> None:
         """The daemon stops with ``rank``'s agent closed: report what is still tracked."""
         state = self._ranks.get(rank)
-        if state is None:
-            return
-        for rid in [*state.table.staged, *state.table.writing]:
+        for rid in [*state.table.staged, *state.table.writing] if state is not None else ():
             self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason=reason))
 
     def forget(self, rank: Rank) -> None:
