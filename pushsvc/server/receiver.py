@@ -74,7 +74,8 @@ class Receiver:
         table = self._tables.get(rank)
         if table is None:
             s = self._settings
-            table = self._tables[rank] = ConsumerTable(s.watchdog_s, rank.tp_size, s.peer_timeout_s, s.peer_timeout_s)
+            table = self._tables[rank] = ConsumerTable(s.watchdog_s, rank.tp_size, s.peer_timeout_s, s.peer_timeout_s,
+                                                       s.verify)
         return table
 
     def _now(self) -> float:
@@ -233,7 +234,7 @@ class Receiver:
             self._malformed("notification", "foreign_completion", sender,
                             ProtocolError("sender is not the agent the registration went to"))
             return
-        outcome, entry = table.on_completion(rid, sender, self._now(), self._settings.verify)
+        outcome, entry = table.on_completion(rid, sender, self._now())
         if outcome is CompletionOutcome.UNKNOWN or entry is None:
             self._metrics.notifications.labels("late_completion").inc()
             log.info("completion_ignored", request_id=rid, peer=sender, reason="unknown or late")
@@ -242,7 +243,7 @@ class Receiver:
         log.debug("completion", request_id=rid, peer=sender, outcome=outcome.value)
         if outcome is CompletionOutcome.CANCELLED:
             self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
-                                                  reason=table.final_reason(entry)))
+                                                  reason=table.final_reason(entry, settled=True)))
         elif outcome is CompletionOutcome.DONE:
             self._done(rank, entry)
         elif outcome is CompletionOutcome.VERIFY:
@@ -253,7 +254,7 @@ class Receiver:
             table = self._tables.get(rank)
             if table is None or table.sent_by(msg.request_id, peer.daemon_id) is None:
                 continue
-            landed = table.announce(msg.request_id, peer.daemon_id, msg.digests, self._now(), self._settings.verify)
+            landed = table.announce(msg.request_id, peer.daemon_id, msg.digests, self._now())
             if landed is not None:  # the completion overtook the digests
                 self._verified(rank, landed)
             else:
@@ -277,7 +278,7 @@ class Receiver:
                 continue  # the WRITE's completion got here first: already final
             table.fail(msg.request_id)
             self._outbox.tell(rank, wp.RecvFailed(request_id=msg.request_id, block_ids=entry.flat_block_ids,
-                                                  reason=table.final_reason(entry)))
+                                                  reason=table.final_reason(entry, settled=True)))
             return
 
     # ------------------------------------------------------------------ endings

@@ -127,6 +127,8 @@ class Sender:
         result = state.table.add_staged(rid, msg.block_ids, self._now(), msg.match_key)
         if result.outcome is StageOutcome.DUPLICATE:
             self._metrics.duplicates.labels("finished_blocks").inc()
+        elif result.outcome is StageOutcome.RELEASED:
+            self._released(rank, rid, "D released the exchange before P's blocks were ready")
         elif result.outcome is StageOutcome.AMBIGUOUS:
             self._ambiguous(rank, [rid], result.collided)
         elif result.match is not None:
@@ -202,7 +204,8 @@ class Sender:
                     state.table.drop_registration(registration.key)
                     continue
                 result = state.table.confirm(registration.key, self._now())
-                self._registered(rank, registration.reg, registration.sender, peer, result)
+                if result is not None:
+                    self._registered(rank, registration.reg, registration.sender, peer, result)
 
     def _sender_checks_out(self, peer: Peer, sender: str, reg: notif.PushReg) -> bool:
         error = registration_error(peer.engine_id, peer.agents[sender], reg)
@@ -216,8 +219,16 @@ class Sender:
 
     def _registered(self, rank: Rank, reg: notif.PushReg, sender: str, peer: Peer | None, result: RegResult) -> None:
         outcome = result.outcome
-        if outcome is RegOutcome.MATCHED and result.match is not None:
-            self._start_push(rank, result.match)
+        if outcome is RegOutcome.MATCHED:
+            for match in result.matches:
+                if match.registration.release:  # D's request ended unscheduled: nothing to write
+                    self._of(rank).table.finish(match.request_id, self._now())
+                    self._released(rank, match.request_id, "D registered no blocks")
+                else:
+                    self._start_push(rank, match)
+        elif outcome is RegOutcome.RELEASED:
+            self._metrics.notifications.labels("push_reg_release_noted").inc()
+            log.info("push_reg_release_noted", request_id=reg.request_id, match_key=reg.match_key, peer=sender)
         elif outcome is RegOutcome.CANCELLED:
             self._metrics.notifications.labels("push_reg_cancelled").inc()
             log.info("push_reg_after_cancel", request_id=reg.request_id, peer=sender)
@@ -292,11 +303,7 @@ class Sender:
             plan = plan_write(memory.layout, remote, match.block_ids, reg.local_block_ids)
             completion = notif.encode_completion(reg.request_id, rank.tp_size)
             if not len(plan.src_indices):
-                # D registered no blocks: its request ended before it was scheduled,
-                # and the registration only releases P. Nothing to write.
-                rank.agent.send_notif(target.agent_name, completion)
-                self._release_without_write(rank, match)
-                return
+                raise LayoutError("D's registration names no block of P's layout")
             digests = digest_blocks(memory.descs, plan.src_indices) if self._settings.verify else b""
             # Wall clock, not loop.time(): uvloop caches the loop's time per iteration,
             # and a WRITE over shared memory may complete inside this very call.
@@ -323,12 +330,12 @@ class Sender:
             self._settle(rank, write, xstate)
         self._wake()
 
-    def _release_without_write(self, rank: Rank, match: Match) -> None:
-        self._of(rank).table.finish(match.request_id, self._now())
+    def _released(self, rank: Rank, rid: str, reason: str) -> None:
+        """D released P's request (its own ended before it was scheduled): the blocks are
+        free now, with nothing written."""
         self._metrics.transfers.labels("released").inc()
-        log.info("push_released", request_id=match.request_id, peer=match.registration.reg.decode_engine_id,
-                 reason="D registered no blocks")
-        self._outbox.tell(rank, wp.SendDone(request_id=match.request_id))
+        log.info("push_released", request_id=rid, rank=rank.number, reason=reason)
+        self._outbox.tell(rank, wp.SendDone(request_id=rid))
 
     def poll(self, rank: Rank) -> None:
         """Settle every WRITE of ``rank`` that is no longer in progress."""

@@ -115,6 +115,7 @@ class ConsumerTable:
     local_tp_size: int = 1
     cancel_grace_s: float = 5.0  # how long a lost P's WRITEs may still land
     digest_wait_s: float = 5.0  # verify mode: how long a landed request waits for P's digests
+    verify: bool = False  # verify mode: a request is done only once P's digests checked
     pending: dict[str, PendingRecv] = field(default_factory=dict)
     _holders: dict[tuple[int, int], str] = field(default_factory=dict)  # (group, block) -> request id
 
@@ -146,23 +147,21 @@ class ConsumerTable:
         entry = self.pending.get(request_id)
         return entry if entry is not None and entry.p_daemon and entry.p_daemon == p_daemon else None
 
-    def announce(self, request_id: str, p_daemon: str, digests: bytes, now: float,
-                 verify: bool) -> PendingRecv | None:
+    def announce(self, request_id: str, p_daemon: str, digests: bytes, now: float) -> PendingRecv | None:
         """P said it posted the WRITE (``WriteStarted``). Returns the entry if that
         completes it: a LANDED entry whose digests were the last thing missing (it is
         removed; the caller verifies and reports)."""
         entry = self.sent_by(request_id, p_daemon)
         if entry is None:
             return None
-        if verify:
+        if self.verify:
             entry.digests = digests
         if entry.state is RecvState.LANDED:
             return self._drop(request_id)
         entry.announced_at = now
         return None
 
-    def on_completion(self, request_id: str, sender: str, now: float,
-                      verify: bool = False) -> tuple[CompletionOutcome, PendingRecv | None]:
+    def on_completion(self, request_id: str, sender: str, now: float) -> tuple[CompletionOutcome, PendingRecv | None]:
         """A completion notification from agent ``sender``; it counts only from the agent
         the PUSH_REG went to."""
         entry = self.pending.get(request_id)
@@ -174,7 +173,7 @@ class ConsumerTable:
         if entry.state is RecvState.CANCELLING and entry.reason != PEER_LOST:
             self._drop(request_id)
             return CompletionOutcome.CANCELLED, entry
-        if not verify:
+        if not self.verify:
             self._drop(request_id)
             return CompletionOutcome.DONE, entry
         if entry.digests is not None:
@@ -194,8 +193,15 @@ class ConsumerTable:
         becomes CANCELLING: with a live session to P it waits for P's answer (no timer),
         without one the grace timer runs."""
         entry = self.pending.get(request_id)
-        if entry is None or entry.state is RecvState.CANCELLING:
+        if entry is None:
             return EvictOutcome.NONE, None
+        if entry.state is RecvState.CANCELLING:
+            if entry.reason != PEER_LOST:
+                return EvictOutcome.NONE, None  # withdrawn already
+            # Held for a lost P: its grace keeps running, but the worker withdrew it, so
+            # a WRITE that still lands no longer makes it done.
+            entry.reason = CANCELLED
+            return EvictOutcome.HELD, entry
         if entry.state is not RecvState.SENT:  # PENDING: P never saw it; LANDED: all written
             return EvictOutcome.FINAL, self._drop(request_id)
         entry.state, entry.reason = RecvState.CANCELLING, CANCELLED
@@ -207,12 +213,13 @@ class ConsumerTable:
         completion still makes a held SENT registration done."""
         out = []
         for entry in self.sent_to(p_daemon):
-            if entry.state not in (RecvState.SENT, RecvState.CANCELLING):
-                continue
             if entry.state is RecvState.SENT:
                 entry.state, entry.reason = RecvState.CANCELLING, PEER_LOST
-            entry.deadline = now + self.cancel_grace_s if entry.deadline is None else min(
-                entry.deadline, now + self.cancel_grace_s)
+                entry.deadline = now + self.cancel_grace_s  # the full grace, whatever the watchdog said
+            elif entry.state is RecvState.CANCELLING and entry.deadline is None:
+                entry.deadline = now + self.cancel_grace_s
+            elif not entry.held:
+                continue  # PENDING, LANDED: nothing of P can still land
             out.append(entry)
         return out
 
@@ -228,10 +235,14 @@ class ConsumerTable:
     def peer_gone(self, p_daemon: str) -> list[RecvExpiry]:
         """The P incarnation is known dead: nothing of it can land any more."""
         out = []
-        for entry in [e for e in self.sent_to(p_daemon) if e.state in (RecvState.SENT, RecvState.CANCELLING)]:
+        for entry in [e for e in self.sent_to(p_daemon) if e.state is not RecvState.PENDING]:
+            self._drop(entry.request_id)
+            if entry.state is RecvState.LANDED:  # its digests will never come
+                reason = f"verify: P daemon {entry.remote.engine_id} restarted before its digests arrived"
+                out.append(RecvExpiry(entry, ExpiryAction.FAIL, "verify", reason))
+                continue
             if entry.state is RecvState.SENT:
                 entry.reason = PEER_LOST
-            self._drop(entry.request_id)
             kind = PEER_LOST if entry.reason == PEER_LOST else "cancel_unconfirmed"
             out.append(RecvExpiry(entry, ExpiryAction.FAIL, kind, self.final_reason(entry, gone=True)))
         return out
@@ -258,8 +269,9 @@ class ConsumerTable:
 
     # ------------------------------------------------------------------ views
 
-    def final_reason(self, entry: PendingRecv, gone: bool = False) -> str:
-        """What the worker reads when a withdrawn registration ends."""
+    def final_reason(self, entry: PendingRecv, gone: bool = False, settled: bool = False) -> str:
+        """What the worker reads when a withdrawn registration ends: ``settled`` when P
+        answered (its confirmation, or its WRITE's completion), ``gone`` when P died."""
         peer = entry.remote.engine_id
         if entry.reason == PEER_LOST:
             if gone:
@@ -270,7 +282,7 @@ class ConsumerTable:
         base = f"watchdog: no push within {self.watchdog_s}s" if entry.reason == WATCHDOG else entry.reason
         if gone:
             return f"{base}: P daemon {peer} restarted"
-        if entry.deadline is not None:  # the grace ran out (or P died) before P confirmed
+        if entry.deadline is not None and not settled:  # the grace ran out before P answered
             return f"{base}: P did not confirm"
         return base
 

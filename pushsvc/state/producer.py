@@ -9,13 +9,19 @@ Life of a P request::
     registration (D's, ttl) --^          (the lease no longer applies: a WRITE in
                                           flight is settled, never reaped)
 
-**Matching.** A P/D exchange carries a match key minted once for it (by the proxy, or by
-P's connector): when both sides have one, only equal keys match, whatever the request
-ids. Otherwise the ids decide: the exact id first, then the base id with vLLM's
-per-engine random suffix stripped (``ids.base_request_id``), and a base id shared by more
-than one candidate is **ambiguous**: nothing is paired (two exchanges that reused one
-``X-Request-Id`` would otherwise cross: D's request B decoding on P's KV of request A),
-and the arrival and the candidates it collided with are all refused.
+**Matching.** Request ids pair a registration with P's blocks: the exact id first, then
+the base id with vLLM's per-engine random suffix stripped (``ids.base_request_id``). A
+P/D exchange also carries a match key, minted once for it (by the proxy, or by P's
+connector): when both sides have one, different keys never pair, so two exchanges that
+reused one ``X-Request-Id`` cannot cross (D's request B would decode on P's KV of request
+A), while the sub-requests of one exchange (a batch of prompts shares its key) still pair
+by their ids. A base id that more than one candidate shares is **ambiguous**: nothing is
+paired, and the arrival and the candidates it collided with are all refused.
+
+A registration with no blocks is a **release**: D's request ended before it was
+scheduled (vLLM names its dummy for that by the request body's id, not the one P holds
+the blocks under). With a key it frees every staged P request of its exchange, and those
+that come later; without one it pairs by id like any registration.
 
 **Who owns a registration.** Registrations are keyed by ``(owner, D's request id)``;
 the owner is the D engine the PUSH_REG names, which P checks against the sending agent
@@ -25,7 +31,8 @@ A registration from an agent P does not know yet is *unverified*: it is kept (D'
 sender checked out.
 
 Every table here is bounded: registrations (``max_registrations``, unverified ones
-``max_unverified``), tombstones and finished keys (``max_tombstones``, oldest dropped).
+``max_unverified``), tombstones, ended exchanges and released keys (``max_tombstones``,
+oldest dropped).
 """
 
 from __future__ import annotations
@@ -59,6 +66,10 @@ class Registration:
     @property
     def match_key(self) -> str:
         return self.reg.match_key
+
+    @property
+    def release(self) -> bool:
+        return not any(self.reg.local_block_ids)
 
 
 @dataclass(slots=True)
@@ -94,10 +105,11 @@ class Match:
 class RegOutcome(Enum):
     STASHED = "stashed"  # kept until P's blocks come
     UNVERIFIED = "unverified"  # kept, but its sender must check out (``confirm``) first
-    MATCHED = "matched"
+    MATCHED = "matched"  # paired; for a release, with every staged request of its exchange
+    RELEASED = "released"  # a release whose exchange has nothing staged: its key is remembered
     DUPLICATE = "duplicate"
     CANCELLED = "cancelled"  # its owner cancelled this id: a PUSH_REG that was still on the way
-    FINISHED = "finished"  # its match key was served (or P's request ended) already
+    FINISHED = "finished"  # the P request it names (its key and base id) already ended
     AMBIGUOUS = "ambiguous"  # several P requests share its base id: refused with them
     FULL = "full"  # the table holds as many registrations as it may
 
@@ -105,6 +117,7 @@ class RegOutcome(Enum):
 class StageOutcome(Enum):
     STASHED = "stashed"
     MATCHED = "matched"
+    RELEASED = "released"  # D released its exchange before the blocks came: nothing to write
     DUPLICATE = "duplicate"
     AMBIGUOUS = "ambiguous"  # several registrations share its base id: refused with them
 
@@ -112,9 +125,14 @@ class StageOutcome(Enum):
 @dataclass(frozen=True, slots=True)
 class RegResult:
     outcome: RegOutcome
-    match: Match | None = None
+    # MATCHED: one pair; a release with a key pairs every staged request of its exchange.
+    matches: tuple[Match, ...] = ()
     # AMBIGUOUS: the staged P requests that collided with it; they are dropped too.
     collided: tuple[Staged, ...] = ()
+
+    @property
+    def match(self) -> Match | None:
+        return self.matches[0] if self.matches else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +157,22 @@ class Expired:
     owner: str = ""
 
 
-def _id_matchable(a_key: str, b_key: str) -> bool:
-    """Ids may pair two entries unless both carry match keys (then only keys decide)."""
-    return not (a_key and b_key)
+def _same_exchange(a_key: str, b_key: str) -> bool:
+    """Two entries may pair unless both carry match keys and the keys differ."""
+    return not (a_key and b_key) or a_key == b_key
+
+
+def _pick(candidates: list, request_id: str, id_of) -> tuple[object | None, tuple]:
+    """The one candidate ``request_id`` pairs with: the only one with its exact id, else
+    the only one with its base id. Several at the deciding level: ambiguous."""
+    exact = [c for c in candidates if id_of(c) == request_id]
+    if len(exact) == 1:
+        return exact[0], ()
+    base = base_request_id(request_id)
+    same_base = exact or [c for c in candidates if base_request_id(id_of(c)) == base]
+    if len(same_base) == 1:
+        return same_base[0], ()
+    return None, tuple(same_base)
 
 
 class _BaseIndex:
@@ -209,23 +240,25 @@ class ProducerTable:
     registrations: dict[RegKey, Registration] = field(default_factory=dict)
     staged: dict[str, Staged] = field(default_factory=dict)  # by P's id
     writing: dict[str, Match] = field(default_factory=dict)  # by P's id
-    _reg_base: _BaseIndex = field(default_factory=_BaseIndex)
-    _reg_by_id: dict[str, list[RegKey]] = field(default_factory=dict)
-    _reg_by_key: dict[str, RegKey] = field(default_factory=dict)
-    _staged_base: _BaseIndex = field(default_factory=_BaseIndex)
-    _staged_by_key: dict[str, str] = field(default_factory=dict)
+    _reg_base: _BaseIndex = field(default_factory=_BaseIndex)  # base of D's id -> registration keys
+    _staged_base: _BaseIndex = field(default_factory=_BaseIndex)  # base of P's id -> P ids
+    _staged_keys: dict[str, list[str]] = field(default_factory=dict)  # match key -> P ids
     _writing_remote: dict[RegKey, str] = field(default_factory=dict)  # while writing: D's key -> P id
     _unverified: int = 0
     # (owner, D id) whose registration its owner cancelled: a PUSH_REG still in flight
     # behind the cancel must not be stashed and written later.
     cancelled: _Expiring = field(init=False)
-    # Match keys whose P request ended (written, failed, evicted, expired): a later
-    # registration under one (a release, a retry) is answered at once, not stashed.
-    finished_keys: _Expiring = field(init=False)
+    # (match key, base id) of P requests that ended (written, failed, evicted, expired):
+    # a registration for one is answered at once instead of waiting in the table.
+    finished: _Expiring = field(init=False)
+    # Match keys a release named while nothing of its exchange was staged: P requests
+    # of that exchange that come later are released on arrival.
+    released: _Expiring = field(init=False)
 
     def __post_init__(self) -> None:
         self.cancelled = _Expiring(self.max_tombstones)
-        self.finished_keys = _Expiring(self.max_tombstones)
+        self.finished = _Expiring(self.max_tombstones)
+        self.released = _Expiring(self.max_tombstones)
 
     # ------------------------------------------------------------------ inputs
 
@@ -241,28 +274,20 @@ class ProducerTable:
             self._pop_registration(key)
         elif held is not None or key in self._writing_remote:
             return RegResult(RegOutcome.DUPLICATE)
-        if reg.match_key and reg.match_key in self.finished_keys:
-            return RegResult(RegOutcome.FINISHED)
-        holder = self.registrations.get(self._reg_by_key.get(reg.match_key, ("", ""))) if reg.match_key else None
-        if holder is not None and verified and not holder.verified:
-            self._pop_registration(holder.key)  # as above: a squatter yields to the known agent
-        elif holder is not None:
-            return RegResult(RegOutcome.DUPLICATE)  # another registration holds this exchange
-        if len(self.registrations) >= self.max_registrations or (
-                not verified and self._unverified >= self.max_unverified):
-            return RegResult(RegOutcome.FULL)
-        ttl = self.registration_ttl_s if verified else min(self.registration_ttl_s, self.unverified_ttl_s)
-        registration = Registration(reg, sender, now, now + ttl, verified)
         if not verified:
-            self._put_registration(registration)
+            if self._unverified >= self.max_unverified or len(self.registrations) >= self.max_registrations:
+                return RegResult(RegOutcome.FULL)
+            ttl = min(self.registration_ttl_s, self.unverified_ttl_s)
+            self._put_registration(Registration(reg, sender, now, now + ttl, verified=False))
             return RegResult(RegOutcome.UNVERIFIED)
-        return self._place_registration(registration, now)
+        return self._place_registration(Registration(reg, sender, now, now + self.registration_ttl_s), now)
 
-    def confirm(self, key: RegKey, now: float) -> RegResult:
-        """The sender of an unverified registration checked out: match it now."""
+    def confirm(self, key: RegKey, now: float) -> RegResult | None:
+        """The sender of the unverified registration ``key`` checked out: place it now,
+        as if it had just arrived from a known agent. None if there is no such entry."""
         registration = self.registrations.get(key)
         if registration is None or registration.verified:
-            return RegResult(RegOutcome.DUPLICATE)
+            return None
         self._pop_registration(key)
         registration.verified = True
         registration.expires_at = registration.registered_at + self.registration_ttl_s
@@ -279,7 +304,7 @@ class ProducerTable:
     def counterpart(self, reg: PushReg) -> Staged | None:
         """The staged P request ``reg`` would pair with, if exactly one (nothing changes)."""
         found, _ = self._staged_for(Registration(reg, "", 0.0, 0.0))
-        return self.staged[found] if found is not None else None
+        return found
 
     def unverified_from(self, senders: set[str]) -> list[Registration]:
         return [r for r in self.registrations.values() if not r.verified and r.sender in senders]
@@ -288,20 +313,22 @@ class ProducerTable:
         if request_id in self.staged or request_id in self.writing:
             return StageResult(StageOutcome.DUPLICATE)
         staged = Staged(request_id, block_ids, match_key, now, now + self.lease_s)
+        if match_key and match_key in self.released:
+            self._end(staged, now)
+            return StageResult(StageOutcome.RELEASED)
         found, collided = self._registration_for(staged)
         if collided:
             for r in collided:
                 self._pop_registration(r.key)
-            if match_key:
-                self.finished_keys.add(match_key, now + self.registration_ttl_s)
+            self._end(staged, now)
             return StageResult(StageOutcome.AMBIGUOUS, collided=collided)
         if found is None:
             self.staged[request_id] = staged
             self._staged_base.add(request_id, request_id)
             if match_key:
-                self._staged_by_key[match_key] = request_id
+                self._staged_keys.setdefault(match_key, []).append(request_id)
             return StageResult(StageOutcome.STASHED)
-        return StageResult(StageOutcome.MATCHED, self._start(staged, self._pop_registration(found), now))
+        return StageResult(StageOutcome.MATCHED, self._start(staged, self._pop_registration(found.key), now))
 
     def tracks(self, request_id: str) -> bool:
         """P blocks of ``request_id`` are staged or being written: a second SendReady
@@ -309,11 +336,12 @@ class ProducerTable:
         return request_id in self.staged or request_id in self.writing
 
     def finish(self, request_id: str, now: float) -> Match | None:
-        """The WRITE for ``request_id`` settled (done or failed): forget it."""
+        """The WRITE for ``request_id`` settled (done or failed), or nothing was to be
+        written (a release): forget it."""
         match = self.writing.pop(request_id, None)
         if match is not None:
             self._writing_remote.pop(match.registration.key, None)
-            self._end_key(match.staged.match_key or match.registration.match_key, now)
+            self._end(match.staged, now)
         return match
 
     def cancel_registration(self, owner: str, remote_id: str, now: float) -> Match | None:
@@ -333,7 +361,7 @@ class ProducerTable:
         if request_id not in self.staged:
             return None
         staged = self._pop_staged(request_id)
-        self._end_key(staged.match_key, now)
+        self._end(staged, now)
         return staged
 
     def drop_registrations_from(self, senders: set[str]) -> list[Registration]:
@@ -350,16 +378,17 @@ class ProducerTable:
         out: list[Expired] = []
         for rid in [r for r, s in self.staged.items() if s.lease_expires_at <= now]:
             staged = self._pop_staged(rid)
-            self._end_key(staged.match_key, now)
+            self._end(staged, now)
             out.append(Expired(rid, ExpiryKind.LEASE, "lease expired: no registration"))
         for key in [k for k, g in self.registrations.items() if g.expires_at <= now]:
             reg = self._pop_registration(key)
-            why = "its sender never checked out" if not reg.verified else "P's blocks never came"
+            waited = round(reg.expires_at - reg.registered_at, 3)
+            why = "its sender was never announced" if not reg.verified else "P's blocks never came"
             out.append(Expired(reg.request_id, ExpiryKind.REGISTRATION,
-                               f"registration expired after {self.registration_ttl_s}s: {why}",
-                               reg.sender, reg.reg.decode_engine_id))
+                               f"registration expired after {waited}s: {why}", reg.sender, reg.reg.decode_engine_id))
         self.cancelled.expire(now)
-        self.finished_keys.expire(now)
+        self.finished.expire(now)
+        self.released.expire(now)
         return out
 
     # ------------------------------------------------------------------ views
@@ -382,90 +411,80 @@ class ProducerTable:
     # ------------------------------------------------------------------ matching
 
     def _place_registration(self, registration: Registration, now: float) -> RegResult:
+        """A verified registration arrives (or was just confirmed)."""
+        if registration.release and registration.match_key:
+            return self._release(registration, now)
         found, collided = self._staged_for(registration)
         if collided:
             for s in collided:
                 self._pop_staged(s.request_id)
-                self._end_key(s.match_key, now)
+                self._end(s, now)
             return RegResult(RegOutcome.AMBIGUOUS, collided=collided)
-        if found is None:
-            self._put_registration(registration)
-            return RegResult(RegOutcome.STASHED)
-        return RegResult(RegOutcome.MATCHED, self._start(self._pop_staged(found), registration, now))
+        if found is not None:
+            return RegResult(RegOutcome.MATCHED, (self._start(self._pop_staged(found.request_id), registration, now),))
+        ended = (registration.match_key, base_request_id(registration.request_id))
+        if registration.match_key and ended in self.finished:
+            return RegResult(RegOutcome.FINISHED)
+        if len(self.registrations) >= self.max_registrations:
+            return RegResult(RegOutcome.FULL)
+        self._put_registration(registration)
+        return RegResult(RegOutcome.STASHED)
 
-    def _staged_for(self, registration: Registration) -> tuple[str | None, tuple[Staged, ...]]:
+    def _release(self, registration: Registration, now: float) -> RegResult:
+        """A keyed release frees every staged request of its exchange, now and later."""
+        ids = list(self._staged_keys.get(registration.match_key, ()))
+        self.released.add(registration.match_key, now + self.registration_ttl_s)
+        if not ids:
+            return RegResult(RegOutcome.RELEASED)
+        return RegResult(RegOutcome.MATCHED, tuple(self._start(self._pop_staged(rid), registration, now,
+                                                               track_remote=False) for rid in ids))
+
+    def _staged_for(self, registration: Registration) -> tuple[Staged | None, tuple[Staged, ...]]:
         """The staged P request this registration pairs with, or the candidates that
         make the pairing ambiguous."""
-        key = registration.match_key
-        if key and key in self._staged_by_key:
-            return self._staged_by_key[key], ()
-        rid = registration.request_id
-        exact = self.staged.get(rid)
-        if exact is not None and _id_matchable(exact.match_key, key):
-            return rid, ()
+        rid, key = registration.request_id, registration.match_key
         candidates = [self.staged[s] for s in self._staged_base.get(rid)
-                      if _id_matchable(self.staged[s].match_key, key)]
-        if len(candidates) > 1:
-            return None, tuple(candidates)
-        return (candidates[0].request_id if candidates else None), ()
+                      if _same_exchange(self.staged[s].match_key, key)]
+        found, collided = _pick(candidates, rid, lambda s: s.request_id)
+        return found, collided  # type: ignore[return-value]
 
-    def _registration_for(self, staged: Staged) -> tuple[RegKey | None, tuple[Registration, ...]]:
-        key = staged.match_key
-        if key and key in self._reg_by_key:
-            found = self._reg_by_key[key]
-            if self.registrations[found].verified:
-                return found, ()
-        exact = [k for k in self._reg_by_id.get(staged.request_id, ())
-                 if self._id_candidate(self.registrations[k], key)]
-        if len(exact) == 1:
-            return exact[0], ()
-        candidates = exact or [k for k in self._reg_base.get(staged.request_id)
-                               if self._id_candidate(self.registrations[k], key)]
-        if len(candidates) > 1:
-            return None, tuple(self.registrations[k] for k in candidates)
-        return (candidates[0] if candidates else None), ()
+    def _registration_for(self, staged: Staged) -> tuple[Registration | None, tuple[Registration, ...]]:
+        candidates = [r for k in self._reg_base.get(staged.request_id)
+                      if (r := self.registrations[k]).verified and _same_exchange(r.match_key, staged.match_key)]
+        found, collided = _pick(candidates, staged.request_id, lambda r: r.request_id)
+        return found, collided  # type: ignore[return-value]
 
-    @staticmethod
-    def _id_candidate(registration: Registration, key: str) -> bool:
-        return registration.verified and _id_matchable(registration.match_key, key)
-
-    def _start(self, staged: Staged, registration: Registration, now: float) -> Match:
+    def _start(self, staged: Staged, registration: Registration, now: float, track_remote: bool = True) -> Match:
         match = Match(staged, registration, now)
         self.writing[staged.request_id] = match
-        self._writing_remote[registration.key] = staged.request_id
+        if track_remote:
+            self._writing_remote[registration.key] = staged.request_id
         return match
 
-    def _end_key(self, match_key: str, now: float) -> None:
-        if match_key:
-            self.finished_keys.add(match_key, now + self.registration_ttl_s)
+    def _end(self, staged: Staged, now: float) -> None:
+        if staged.match_key:
+            self.finished.add((staged.match_key, base_request_id(staged.request_id)), now + self.registration_ttl_s)
 
     def _put_registration(self, registration: Registration) -> None:
         key = registration.key
         self.registrations[key] = registration
         self._reg_base.add(registration.request_id, key)
-        self._reg_by_id.setdefault(registration.request_id, []).append(key)
-        if registration.match_key:
-            self._reg_by_key[registration.match_key] = key
         if not registration.verified:
             self._unverified += 1
 
     def _pop_staged(self, rid: str) -> Staged:
         staged = self.staged.pop(rid)
         self._staged_base.remove(rid, rid)
-        if staged.match_key and self._staged_by_key.get(staged.match_key) == rid:
-            del self._staged_by_key[staged.match_key]
+        ids = self._staged_keys.get(staged.match_key)
+        if ids is not None and rid in ids:
+            ids.remove(rid)
+            if not ids:
+                del self._staged_keys[staged.match_key]
         return staged
 
     def _pop_registration(self, key: RegKey) -> Registration:
         registration = self.registrations.pop(key)
         self._reg_base.remove(registration.request_id, key)
-        ids = self._reg_by_id.get(registration.request_id)
-        if ids is not None:
-            ids.remove(key)
-            if not ids:
-                del self._reg_by_id[registration.request_id]
-        if registration.match_key and self._reg_by_key.get(registration.match_key) == key:
-            del self._reg_by_key[registration.match_key]
         if not registration.verified:
             self._unverified -= 1
         return registration

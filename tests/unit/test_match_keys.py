@@ -85,14 +85,15 @@ async def test_a_shared_base_id_without_keys_fails_every_request_involved_and_wr
 @pytest.mark.asyncio
 async def test_a_release_for_an_exchange_already_served_leaves_nothing_on_p() -> None:
     """vLLM's dummy for a rejected or abandoned D request registers no blocks under
-    another request id but the same match key: P answers it at once."""
+    another request id but the same match key: P keeps no registration for it, only the
+    key (should a P request of that exchange still come, it is released on arrival)."""
     async with push_pair() as pair:
         register(pair, D1, [3, 4], "key-1")
         stage(pair, P1, [0, 1], "key-1")
         await pair.dw.wait_for(wp.RecvDone, D1)
         await pair.pw.wait_for(wp.SendDone, P1)
         pair.register_recv("cmpl-dummy", [], match_key="key-1")
-        await wait_until(lambda: metric(pair.p, "pushsvc_notifications_total", kind="push_reg_finished") == 1,
+        await wait_until(lambda: metric(pair.p, "pushsvc_notifications_total", kind="push_reg_release_noted") == 1,
                          "P to see the release")
         await pair.dw.quiet_for(0.1)  # a release gets no answer on D
         await assert_tables_empty(pair.p, pair.d)
@@ -102,11 +103,48 @@ async def test_a_release_for_an_exchange_already_served_leaves_nothing_on_p() ->
 async def test_a_release_before_blocks_are_staged_frees_them_when_they_come() -> None:
     async with push_pair() as pair:
         pair.register_recv("cmpl-dummy", [], match_key="key-1")
-        await wait_until(lambda: tables(pair.p)["p_registrations"] == 1, "the release to reach P")
-        assert tables(pair.d)["d_pending"] == 0
+        await wait_until(lambda: metric(pair.p, "pushsvc_notifications_total", kind="push_reg_release_noted") == 1,
+                         "the release to reach P")
+        assert tables(pair.d)["d_pending"] == 0 and tables(pair.p)["p_registrations"] == 0
         stage(pair, P1, [0, 1], "key-1")
         await pair.pw.wait_for(wp.SendDone, P1)
         assert metric(pair.p, "pushsvc_transfers_total", result="released") == 1
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_a_release_frees_every_staged_request_of_its_exchange_and_those_that_come_later() -> None:
+    """A batch of prompts is one exchange: its sub-requests share the key. D's release
+    for it (the rejected request's dummy, under yet another id) frees all of them."""
+    async with push_pair() as pair:
+        stage(pair, "cmpl-b-0-aaaaaaaa", [0, 1], "key-b")
+        stage(pair, "cmpl-b-1-aaaaaaaa", [2], "key-b")
+        stage(pair, "cmpl-c-0-aaaaaaaa", [3], "key-c")  # another exchange: untouched
+        await wait_until(lambda: tables(pair.p)["p_staged"] == 3, "P to stage")
+        pair.register_recv("cmpl-dummy", [], match_key="key-b")
+        for rid in ("cmpl-b-0-aaaaaaaa", "cmpl-b-1-aaaaaaaa"):
+            await pair.pw.wait_for(wp.SendDone, rid)
+        stage(pair, "cmpl-b-2-aaaaaaaa", [4], "key-b")  # a sub-request that finished late
+        await pair.pw.wait_for(wp.SendDone, "cmpl-b-2-aaaaaaaa")
+        assert metric(pair.p, "pushsvc_transfers_total", result="released") == 3
+        assert tables(pair.p)["p_staged"] == 1
+        pair.pw.send(wp.Evict(request_ids=["cmpl-c-0-aaaaaaaa"]))
+        await pair.pw.wait_for(wp.SendFailed, "cmpl-c-0-aaaaaaaa")
+        await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_sub_requests_of_one_exchange_pair_by_their_ids() -> None:
+    async with push_pair() as pair:
+        stage(pair, "cmpl-b-1-aaaaaaaa", [5], "key-b")  # sub-request 1 finished first on P
+        register(pair, "cmpl-b-0-dddddddd", [3], "key-b")
+        register(pair, "cmpl-b-1-dddddddd", [9], "key-b")
+        await pair.dw.wait_for(wp.RecvDone, "cmpl-b-1-dddddddd")
+        stage(pair, "cmpl-b-0-aaaaaaaa", [0], "key-b")
+        await pair.dw.wait_for(wp.RecvDone, "cmpl-b-0-dddddddd")
+        expected = expected_after_push(pair.pw, pair.dw, [5], [9])
+        pair.dw.initial = expected
+        assert np.array_equal(pair.dw.snapshot(), expected_after_push(pair.pw, pair.dw, [0], [3]))
         await assert_tables_empty(pair.p, pair.d)
 
 
