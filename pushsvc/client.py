@@ -21,15 +21,18 @@ from pushsvc.errors import DaemonUnavailable, ProtocolError
 from pushsvc.protocol import worker as wp
 from pushsvc.protocol.framing import (
     DECODE_ERRORS,
-    HEADER,
     PREAMBLE,
     FrameBuffer,
     check_preamble,
     encode_preamble,
     frame,
+    read_exact,
+    read_frame,
 )
 
 _RECV_BYTES = 1 << 16
+# A Welcome is a few hundred bytes; anything near this is not one.
+_DESCRIBE_MAX_FRAME = 1 << 20
 
 
 class DaemonClient:
@@ -58,7 +61,7 @@ class DaemonClient:
         try:
             _connect(sock, self.socket_path, time.monotonic() + self.timeout_s)
             sock.sendall(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR) + frame(wp.encode(self.hello)))
-            minor = check_preamble(_recv_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
+            minor = check_preamble(read_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
         except (OSError, ProtocolError) as exc:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to daemon at {self.socket_path}: {exc}") from None
@@ -217,11 +220,8 @@ def describe_daemon(socket_path: str, timeout_s: float = 2.0) -> wp.Welcome:
     try:
         _connect(sock, socket_path, time.monotonic() + timeout_s)
         sock.sendall(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR) + frame(wp.encode(wp.Describe())))
-        check_preamble(_recv_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
-        (length,) = HEADER.unpack(_recv_exact(sock, HEADER.size))
-        if length > 1 << 20:
-            raise ProtocolError("oversized answer")
-        msg = wp.daemon_decoder.decode(_recv_exact(sock, length))
+        check_preamble(read_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
+        msg = wp.daemon_decoder.decode(read_frame(sock, _DESCRIBE_MAX_FRAME))
     except (OSError, ProtocolError, *DECODE_ERRORS) as exc:
         raise DaemonUnavailable(f"cannot describe daemon at {socket_path}: {exc}") from None
     finally:
@@ -246,12 +246,3 @@ def _connect(sock: socket.socket, path: str, deadline: float) -> None:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("daemon closed the connection")
-        buf += chunk
-    return buf
