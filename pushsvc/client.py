@@ -17,7 +17,7 @@ from typing import Sequence
 
 import msgspec
 
-from pushsvc.errors import DaemonUnavailable, ProtocolError
+from pushsvc.errors import DaemonNotListening, DaemonRefused, DaemonUnavailable, ProtocolError
 from pushsvc.protocol import worker as wp
 from pushsvc.protocol.framing import (
     DECODE_ERRORS,
@@ -55,6 +55,9 @@ class DaemonClient:
     # ------------------------------------------------------------------ setup (blocking)
 
     def connect(self) -> wp.Welcome:
+        """Connect and say hello; the daemon's ``Welcome``. Raises ``DaemonNotListening``
+        when nothing listens on the socket, ``DaemonRefused`` when the daemon refuses the
+        hello, ``DaemonUnavailable`` for anything else that ends the attempt."""
         self.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(self.timeout_s)
@@ -199,7 +202,7 @@ class DaemonClient:
                     if isinstance(event, kind):
                         return event
                     if isinstance(event, wp.Error) and not event.request_id:
-                        raise ProtocolError(f"daemon refused: {event.code}: {event.message}")
+                        raise DaemonRefused(f"daemon refused: {event.code}: {event.message}")
                     held.append(event)
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -234,12 +237,16 @@ def describe_daemon(socket_path: str, timeout_s: float = 2.0) -> wp.Welcome:
 def _connect(sock: socket.socket, path: str, deadline: float) -> None:
     """``connect`` that waits while the daemon's listen backlog is full: a socket with a
     timeout is non-blocking underneath, and for AF_UNIX a full backlog then fails at once
-    with EAGAIN instead of waiting (a connect flood by another client would refuse us)."""
+    with EAGAIN instead of waiting (a connect flood by another client would refuse us).
+    A missing socket file or one nobody accepts on raises ``DaemonNotListening``."""
     pause = 0.001
     while True:
         try:
             sock.connect(path)
             return
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise DaemonNotListening(f"no daemon listening at {path}: {exc}") from None
         except BlockingIOError:
             if time.monotonic() + pause > deadline:
                 raise TimeoutError("the daemon's listen backlog stayed full") from None
