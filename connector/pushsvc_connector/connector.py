@@ -28,10 +28,17 @@ from pushsvc.errors import DaemonUnavailable
 from pushsvc_connector.kvshare import share_kv_caches
 from pushsvc_connector.metadata import PushsvcMetadata
 from pushsvc_connector.scheduler import PushScheduler
+from pushsvc_connector.stats import PushsvcConnectorStats, PushsvcPromMetrics
 from pushsvc_connector.worker import PushWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -137,6 +144,24 @@ class PushsvcConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # ================================================================ metrics (both roles)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # Each role counts its own events; vLLM sums the workers' and the scheduler's.
+        if self._scheduler is not None:
+            return self._scheduler.take_stats()
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PushsvcConnectorStats(data=data) if data is not None else PushsvcConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return PushsvcPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 class _DaemonCoordinates:

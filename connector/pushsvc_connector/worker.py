@@ -17,6 +17,7 @@ from __future__ import annotations
 import select
 import time
 
+import msgspec
 from vllm.logger import init_logger
 
 from pushsvc.client import DaemonClient
@@ -25,6 +26,7 @@ from pushsvc.protocol import worker as wp
 from pushsvc.protocol.worker import Region
 from pushsvc.shm import SharedBuffer
 from pushsvc_connector.metadata import PushsvcMetadata
+from pushsvc_connector.stats import PushsvcConnectorStats
 
 # Under the "vllm" logger so vLLM's own handler and level apply.
 log = init_logger("vllm.pushsvc_connector")
@@ -52,6 +54,7 @@ class PushWorker:
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self.stats = PushsvcConnectorStats()
 
     # ------------------------------------------------------------------ set-up
 
@@ -97,6 +100,9 @@ class PushWorker:
                       len(meta.evictions))
         for rid in meta.dropped_recvs:
             self._done_recving.add(rid)
+        for rid, blocks in meta.failed_recvs.items():
+            self._load_errors.update(blocks)
+            self._done_recving.add(rid)
         for release in meta.releases:
             self._send(release)  # best effort: P's lease frees the blocks otherwise
         for rid in meta.expired_recvs:
@@ -115,9 +121,9 @@ class PushWorker:
             self._recving[rid] = [b for g in reg.local_block_ids for b in g]
             if not self._send(reg):
                 self._fail_recv(rid, "pushsvc daemon unavailable")
-        for rid, blocks in meta.sends.items():
+        for rid, ready in meta.sends.items():
             self._sending.add(rid)
-            if not self._send(wp.SendReady(request_id=rid, block_ids=blocks)):
+            if not self._send(ready):
                 self._sending.discard(rid)
                 self._done_sending.add(rid)
 
@@ -143,6 +149,9 @@ class PushWorker:
         sending, recving = self._done_sending, self._done_recving
         self._done_sending, self._done_recving = set(), set()
         return sending, recving
+
+    def take_stats(self) -> PushsvcConnectorStats | None:
+        return self.stats.take()
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -186,6 +195,9 @@ class PushWorker:
     def _send(self, msg: wp.WorkerMessage) -> bool:
         if not self._available():
             return False
+        if isinstance(msg, (wp.RegisterRecv, wp.SendReady)) and msg.match_key and not self.client.supports(
+                wp.MATCH_KEY_MINOR):
+            msg = msgspec.structs.replace(msg, match_key="")  # a 1.0 daemon refuses the field
         try:
             self.client.send(msg)
             return True

@@ -65,8 +65,8 @@ def _metric_types(registry: CollectorRegistry) -> dict[type, type]:
 def prom() -> tuple[CollectorRegistry, PushsvcPromMetrics]:
     registry = CollectorRegistry()
     vllm_config = SimpleNamespace(kv_transfer_config=None)  # all the base class reads
-    metrics = PushsvcPromMetrics(vllm_config, _metric_types(registry), ["model_name", "engine"],  # type: ignore[arg-type]
-                                 {0: ["tiny", "0"]})
+    metrics = PushsvcPromMetrics(vllm_config, _metric_types(registry),  # type: ignore[arg-type]
+                                 ["model_name", "engine"], {0: ["tiny", "0"]})
     return registry, metrics
 
 

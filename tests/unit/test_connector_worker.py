@@ -93,7 +93,8 @@ async def test_daemon_loss_fails_in_flight_and_reconnects(base, silent_port) -> 
         # A registration whose handshake with P never completes, and a send.
         reg = wp.RegisterRecv(request_id="waiting", local_block_ids=[[7]], remote_engine_id="prefill",
                               remote_host="127.0.0.1", remote_port=silent_port)
-        worker.start_step(PushsvcMetadata(recvs={"waiting": reg}, sends={"sent": [[1, 2]]}))
+        sent = wp.SendReady(request_id="sent", block_ids=[[1, 2]])
+        worker.start_step(PushsvcMetadata(recvs={"waiting": reg}, sends={"sent": sent}))
         await wait_until(lambda: daemon.info()["tables"]["d_pending"] == 1 and daemon.info()["tables"]["p_staged"] == 1,
                          "the daemon to track both requests")
         await daemon.shutdown()  # the daemon goes away with both in flight
@@ -168,6 +169,38 @@ async def test_idle_wait_after_the_client_saw_the_daemon_close_reports_the_loss(
         worker.client.close()  # as after an EOF read together with events
         assert worker.get_finished(wait_s=0.01) == (set(), {"waiting"})
         assert worker.take_load_errors() == {4}
+    finally:
+        worker.close()
+        await daemon.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_match_key_goes_only_to_a_daemon_that_knows_it(base, silent_port, monkeypatch) -> None:
+    daemon = Daemon(daemon_config(f"{base}/rt", D_ENGINE), engine=FakeEngine())
+    await daemon.startup()
+    buf = SharedBuffer.create(2 * NUM_BLOCKS * BLOCK_LEN)
+    worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="both",
+                        connect_timeout_s=5.0)
+    try:
+        await asyncio.to_thread(worker.register, [buf], kv_regions(NUM_BLOCKS), 1)
+        sent: list = []
+        real_send = worker.client.send
+        monkeypatch.setattr(worker.client, "send", lambda msg: (sent.append(msg), real_send(msg)))
+
+        def step(rid: str, block: int) -> None:
+            reg = wp.RegisterRecv(request_id=f"{rid}-d", local_block_ids=[[block]], remote_engine_id="prefill",
+                                  remote_host="127.0.0.1", remote_port=silent_port, match_key=f"key-{rid}")
+            ready = wp.SendReady(request_id=f"{rid}-p", block_ids=[[block + 1]], match_key=f"key-{rid}")
+            worker.start_step(PushsvcMetadata(recvs={reg.request_id: reg}, sends={ready.request_id: ready}))
+
+        assert worker.client.supports(wp.MATCH_KEY_MINOR)  # this daemon speaks 1.1
+        step("new", 3)
+        assert [m.match_key for m in sent] == ["key-new", "key-new"]
+        worker.client.daemon_minor = 0  # as if the daemon spoke 1.0, which refuses the field
+        step("old", 6)
+        assert [type(m).__name__ for m in sent[2:]] == ["RegisterRecv", "SendReady"]
+        assert [m.match_key for m in sent[2:]] == ["", ""]
+        assert [m.request_id for m in sent[2:]] == ["old-d", "old-p"]
     finally:
         worker.close()
         await daemon.shutdown()
