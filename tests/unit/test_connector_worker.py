@@ -438,3 +438,19 @@ def test_daemon_not_there_yet_is_retried_later(base) -> None:
         assert worker.welcome is None
     finally:
         worker.close()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "daemon side not there yet: a worker's disconnect cancels its requests and drops their events, "
+    "so nothing reaches the new connection of the same rank and pid"))
+@pytest.mark.asyncio
+async def test_same_daemon_delivers_the_final_events_of_held_requests(base, silent_port) -> None:
+    """The daemon's side of connection loss: the final events of the old connection's
+    requests go to the new connection of the same rank from the same pid. Here the D
+    handshake times out (RecvFailed) and the P lease expires (SendFailed) after the
+    worker reconnected."""
+    async with _in_flight(base, silent_port, handshake_timeout_s=1.0, lease_s=1.5) as (daemon, worker):
+        await _reconnect_to_the_same_daemon(daemon, worker)
+        assert _both_reported(*await _step_off_loop(worker, _both_reported, "the held requests' final events"))
+        assert worker.take_load_errors() == {7}
+        assert "released_requests" not in _counts(worker)  # the daemon reported them, nobody released them
