@@ -234,6 +234,70 @@ def describe_daemon(socket_path: str, timeout_s: float = 2.0) -> wp.Welcome:
     return msg
 
 
+class DescribeExchange:
+    """One ``Describe`` over a non-blocking socket, for callers that must never block
+    (vLLM's scheduler thread). The constructor connects (on a Unix socket this
+    completes or fails at once) and queues the request; each ``poll`` writes and reads
+    what the socket takes now and returns the daemon's ``Welcome`` once it is complete.
+    Every call returns at once: how long to wait for an answer is the caller's choice
+    (``close`` abandons the exchange). Failures raise ``DaemonUnavailable``
+    (``DaemonNotListening`` when nothing listens) and close the socket."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(socket_path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise DaemonNotListening(f"no daemon listening at {socket_path}: {exc}") from None
+        except OSError as exc:  # BlockingIOError: the listen backlog is full
+            sock.close()
+            raise DaemonUnavailable(f"cannot describe daemon at {socket_path}: {exc}") from None
+        self._sock: socket.socket | None = sock
+        self._out = bytearray(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR) + frame(wp.encode(wp.Describe())))
+        self._preamble = b""
+        self._frames = FrameBuffer(_DESCRIBE_MAX_FRAME)
+
+    def poll(self) -> wp.Welcome | None:
+        """The daemon's ``Welcome`` once it arrived, else None (asked again later)."""
+        if self._sock is None:
+            raise DaemonUnavailable(f"describe exchange with {self.socket_path} is closed")
+        try:
+            if self._out:
+                del self._out[: self._sock.send(self._out)]
+            while True:
+                data = self._sock.recv(_RECV_BYTES)
+                if not data:
+                    raise ConnectionError("daemon closed the connection before answering")
+                if len(self._preamble) < PREAMBLE.size:
+                    need = PREAMBLE.size - len(self._preamble)
+                    self._preamble += data[:need]
+                    data = data[need:]
+                    if len(self._preamble) < PREAMBLE.size:
+                        continue
+                    check_preamble(self._preamble, wp.MAGIC, wp.MAJOR)
+                for payload in self._frames.feed(data):
+                    msg = wp.daemon_decoder.decode(payload)
+                    if not isinstance(msg, wp.Welcome):
+                        raise ProtocolError(f"daemon answered {type(msg).__name__}")
+                    self.close()
+                    return msg
+        except (BlockingIOError, InterruptedError):
+            return None
+        except (OSError, ProtocolError, *DECODE_ERRORS) as exc:
+            self.close()
+            raise DaemonUnavailable(f"cannot describe daemon at {self.socket_path}: {exc}") from None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __repr__(self) -> str:
+        return f"<DescribeExchange {self.socket_path} open={self._sock is not None} out={len(self._out)}>"
+
+
 def _connect(sock: socket.socket, path: str, deadline: float) -> None:
     """``connect`` that waits while the daemon's listen backlog is full: a socket with a
     timeout is non-blocking underneath, and for AF_UNIX a full backlog then fails at once

@@ -13,7 +13,6 @@ Configuration (``kv_connector_extra_config``):
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,8 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from pushsvc.client import describe_daemon
-from pushsvc.errors import DaemonUnavailable
+from pushsvc_connector.coordinates import DaemonCoordinates
 from pushsvc_connector.kvshare import share_kv_caches
 from pushsvc_connector.metadata import PushsvcMetadata
 from pushsvc_connector.scheduler import PushScheduler
@@ -56,12 +54,14 @@ class PushsvcConnector(KVConnectorBase_V1):
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
+        self._coords: DaemonCoordinates | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._coords = _DaemonCoordinates(str(extra.get("daemon_socket", "")),
-                                              vllm_config.parallel_config.tensor_parallel_size)
+            socket_path = str(extra.get("daemon_socket", ""))
+            if socket_path and self._kv_transfer_config.is_kv_producer:  # only P returns its coordinates
+                self._coords = DaemonCoordinates(socket_path, vllm_config.parallel_config.tensor_parallel_size)
             self._scheduler = PushScheduler(watchdog_s=float(extra.get("watchdog_s", DEFAULT_BACKSTOP_S)),
                                             lease_s=float(extra.get("lease_s", DEFAULT_BACKSTOP_S)),
-                                            coordinates=self._coords.get)
+                                            coordinates=self._coords.get if self._coords else lambda: None)
             return
         socket_path = extra.get("daemon_socket")
         if not socket_path:
@@ -118,6 +118,8 @@ class PushsvcConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._coords is not None:
+            self._coords.close()
 
     # ================================================================ scheduler role
 
@@ -131,6 +133,8 @@ class PushsvcConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
+        if self._coords is not None:
+            self._coords.refresh()  # non-blocking; keeps P's coordinates fresh between requests
         return self._scheduler.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -163,25 +167,3 @@ class PushsvcConnector(KVConnectorBase_V1):
                            ) -> KVConnectorPromMetrics | None:
         return PushsvcPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-
-class _DaemonCoordinates:
-    """Where D must register for this P: the daemon's engine id and side channel. Asked
-    with ``Describe`` at most once a second (a restarted daemon has a new port); the
-    last answer is kept while the daemon cannot be asked."""
-
-    def __init__(self, socket_path: str, tp_size: int) -> None:
-        self._socket_path = socket_path
-        self._tp_size = tp_size
-        self._value: dict[str, Any] | None = None
-        self._next_try = 0.0
-
-    def get(self) -> dict[str, Any] | None:
-        if self._socket_path and time.monotonic() >= self._next_try:
-            self._next_try = time.monotonic() + 1.0
-            try:
-                w = describe_daemon(self._socket_path, timeout_s=0.5)
-            except DaemonUnavailable:
-                return self._value
-            self._value = {"remote_engine_id": w.engine_id, "remote_host": w.side_channel_host,
-                           "remote_port": w.side_channel_port, "remote_tp_size": self._tp_size}
-        return self._value
