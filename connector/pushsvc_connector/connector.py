@@ -9,6 +9,10 @@ Configuration (``kv_connector_extra_config``):
 * ``connect_timeout_s``: bound on the blocking connect at start-up (default 10 s).
 * ``idle_wait_ms``: on a step with nothing scheduled and transfers pending, how long
   the worker may wait for a daemon event before returning (default 10 ms).
+
+Supported parallelism: tensor parallelism only. One daemon serves the TP ranks of one
+vLLM instance; pipeline stages or data-parallel replicas would bring several workers
+with the same TP rank, which the daemon refuses, so construction refuses them first.
 """
 
 from __future__ import annotations
@@ -46,11 +50,14 @@ if TYPE_CHECKING:
 
 _ROLES = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
 DEFAULT_BACKSTOP_S = 180.0
+# ParallelConfig fields whose value must be 1 (see the module docstring).
+_UNSUPPORTED_PARALLELISM = ("pipeline_parallel_size", "data_parallel_size")
 
 
 class PushsvcConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        check_parallelism(vllm_config.parallel_config)
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
@@ -167,3 +174,15 @@ class PushsvcConnector(KVConnectorBase_V1):
                            ) -> KVConnectorPromMetrics | None:
         return PushsvcPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+
+def check_parallelism(parallel_config: Any) -> None:
+    """Refuse what the daemon cannot serve: it knows a worker by its TP rank alone."""
+    for name in _UNSUPPORTED_PARALLELISM:
+        size = getattr(parallel_config, name)
+        if size != 1:
+            raise ValueError(
+                f"PushsvcConnector does not support {name}={size}: one pushsvc daemon serves the "
+                "tensor-parallel ranks of one vLLM instance, and a second pipeline stage or data-parallel "
+                "replica would bring another worker for the same TP rank. Supported: tensor parallelism "
+                "only (pipeline_parallel_size=1, data_parallel_size=1); for data parallelism run separate "
+                "vLLM instances, each with its own daemon.")
