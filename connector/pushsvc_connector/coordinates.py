@@ -91,4 +91,5 @@ class DaemonCoordinates:
             self._value = value
 
     def __repr__(self) -> str:
-        return f"<DaemonCoordinates {self.socket_path} known={self._value is not None} asking={self._exchange is not None}>"
+        return (f"<DaemonCoordinates {self.socket_path} known={self._value is not None} "
+                f"asking={self._exchange is not None}>")
