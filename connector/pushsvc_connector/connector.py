@@ -166,7 +166,9 @@ class PushsvcConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
-        return PushsvcConnectorStats(data=data) if data is not None else PushsvcConnectorStats()
+        # A copy: vLLM's loggers aggregate into the object they build, and the payload
+        # is also read by its Prometheus logger.
+        return PushsvcConnectorStats(data={name: dict(by_label) for name, by_label in (data or {}).items()})
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],

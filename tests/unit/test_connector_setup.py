@@ -44,4 +44,6 @@ def test_scheduler_role_reports_its_counters_and_builds_the_stats_vllm_sums() ->
     assert connector.get_kv_connector_stats() is None  # taken once
     rebuilt = PushsvcConnector.build_kv_connector_stats(stats.to_dict())
     assert isinstance(rebuilt, PushsvcConnectorStats) and rebuilt.to_dict() == stats.to_dict()
+    rebuilt.aggregate(rebuilt.__class__(data={"refused_requests": {"bad_kv_transfer_params": 4}}))
+    assert stats.count("refused_requests", "bad_kv_transfer_params") == 1, "the payload must not be aliased"
     assert PushsvcConnector.build_kv_connector_stats().is_empty()
