@@ -6,7 +6,8 @@ Configuration (``kv_connector_extra_config``):
 * ``daemon_socket`` (required on workers): the daemon's Unix socket.
 * ``watchdog_s`` / ``lease_s``: the connector's backstop timers (default 180 s), set
   above the daemon's own watchdog and lease so the daemon's fire first.
-* ``connect_timeout_s``: bound on the blocking connect at start-up (default 10 s).
+* ``connect_timeout_s``: bound on the blocking connect and KV registration, at start-up
+  and on each reconnect attempt (default 10 s).
 * ``idle_wait_ms``: on a step with nothing scheduled and transfers pending, how long
   the worker may wait for a daemon event before returning (default 10 ms).
 
@@ -88,6 +89,8 @@ class PushsvcConnector(KVConnectorBase_V1):
     # ================================================================ worker role
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # Raises DaemonRefused when the daemon refuses this worker (vLLM then fails to
+        # start, with the daemon's reason); a daemon not there yet is retried later.
         assert self._worker is not None
         num_blocks = self._kv_cache_config.num_blocks
         first = next(iter(kv_caches.values()))
