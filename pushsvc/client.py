@@ -17,19 +17,22 @@ from typing import Sequence
 
 import msgspec
 
-from pushsvc.errors import DaemonUnavailable, ProtocolError
+from pushsvc.errors import DaemonNotListening, DaemonRefused, DaemonUnavailable, ProtocolError
 from pushsvc.protocol import worker as wp
 from pushsvc.protocol.framing import (
     DECODE_ERRORS,
-    HEADER,
     PREAMBLE,
     FrameBuffer,
     check_preamble,
     encode_preamble,
     frame,
+    read_exact,
+    read_frame,
 )
 
 _RECV_BYTES = 1 << 16
+# A Welcome is a few hundred bytes; anything near this is not one.
+_DESCRIBE_MAX_FRAME = 1 << 20
 
 
 class DaemonClient:
@@ -52,13 +55,16 @@ class DaemonClient:
     # ------------------------------------------------------------------ setup (blocking)
 
     def connect(self) -> wp.Welcome:
+        """Connect and say hello; the daemon's ``Welcome``. Raises ``DaemonNotListening``
+        when nothing listens on the socket, ``DaemonRefused`` when the daemon refuses the
+        hello, ``DaemonUnavailable`` for anything else that ends the attempt."""
         self.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(self.timeout_s)
         try:
             _connect(sock, self.socket_path, time.monotonic() + self.timeout_s)
             sock.sendall(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR) + frame(wp.encode(self.hello)))
-            minor = check_preamble(_recv_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
+            minor = check_preamble(read_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
         except (OSError, ProtocolError) as exc:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to daemon at {self.socket_path}: {exc}") from None
@@ -196,7 +202,7 @@ class DaemonClient:
                     if isinstance(event, kind):
                         return event
                     if isinstance(event, wp.Error) and not event.request_id:
-                        raise ProtocolError(f"daemon refused: {event.code}: {event.message}")
+                        raise DaemonRefused(f"daemon refused: {event.code}: {event.message}")
                     held.append(event)
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -217,11 +223,8 @@ def describe_daemon(socket_path: str, timeout_s: float = 2.0) -> wp.Welcome:
     try:
         _connect(sock, socket_path, time.monotonic() + timeout_s)
         sock.sendall(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR) + frame(wp.encode(wp.Describe())))
-        check_preamble(_recv_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
-        (length,) = HEADER.unpack(_recv_exact(sock, HEADER.size))
-        if length > 1 << 20:
-            raise ProtocolError("oversized answer")
-        msg = wp.daemon_decoder.decode(_recv_exact(sock, length))
+        check_preamble(read_exact(sock, PREAMBLE.size), wp.MAGIC, wp.MAJOR)
+        msg = wp.daemon_decoder.decode(read_frame(sock, _DESCRIBE_MAX_FRAME))
     except (OSError, ProtocolError, *DECODE_ERRORS) as exc:
         raise DaemonUnavailable(f"cannot describe daemon at {socket_path}: {exc}") from None
     finally:
@@ -231,27 +234,86 @@ def describe_daemon(socket_path: str, timeout_s: float = 2.0) -> wp.Welcome:
     return msg
 
 
+class DescribeExchange:
+    """One ``Describe`` over a non-blocking socket, for callers that must never block
+    (vLLM's scheduler thread). The constructor connects (on a Unix socket this
+    completes or fails at once) and queues the request; each ``poll`` writes and reads
+    what the socket takes now and returns the daemon's ``Welcome`` once it is complete.
+    Every call returns at once: how long to wait for an answer is the caller's choice
+    (``close`` abandons the exchange). Failures raise ``DaemonUnavailable``
+    (``DaemonNotListening`` when nothing listens) and close the socket."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(socket_path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise DaemonNotListening(f"no daemon listening at {socket_path}: {exc}") from None
+        except OSError as exc:  # BlockingIOError: the listen backlog is full
+            sock.close()
+            raise DaemonUnavailable(f"cannot describe daemon at {socket_path}: {exc}") from None
+        self._sock: socket.socket | None = sock
+        self._out = bytearray(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR) + frame(wp.encode(wp.Describe())))
+        self._preamble = b""
+        self._frames = FrameBuffer(_DESCRIBE_MAX_FRAME)
+
+    def poll(self) -> wp.Welcome | None:
+        """The daemon's ``Welcome`` once it arrived, else None (asked again later)."""
+        if self._sock is None:
+            raise DaemonUnavailable(f"describe exchange with {self.socket_path} is closed")
+        try:
+            if self._out:
+                del self._out[: self._sock.send(self._out)]
+            while True:
+                data = self._sock.recv(_RECV_BYTES)
+                if not data:
+                    raise ConnectionError("daemon closed the connection before answering")
+                if len(self._preamble) < PREAMBLE.size:
+                    need = PREAMBLE.size - len(self._preamble)
+                    self._preamble += data[:need]
+                    data = data[need:]
+                    if len(self._preamble) < PREAMBLE.size:
+                        continue
+                    check_preamble(self._preamble, wp.MAGIC, wp.MAJOR)
+                for payload in self._frames.feed(data):
+                    msg = wp.daemon_decoder.decode(payload)
+                    if not isinstance(msg, wp.Welcome):
+                        raise ProtocolError(f"daemon answered {type(msg).__name__}")
+                    self.close()
+                    return msg
+        except (BlockingIOError, InterruptedError):
+            return None
+        except (OSError, ProtocolError, *DECODE_ERRORS) as exc:
+            self.close()
+            raise DaemonUnavailable(f"cannot describe daemon at {self.socket_path}: {exc}") from None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __repr__(self) -> str:
+        return f"<DescribeExchange {self.socket_path} open={self._sock is not None} out={len(self._out)}>"
+
+
 def _connect(sock: socket.socket, path: str, deadline: float) -> None:
     """``connect`` that waits while the daemon's listen backlog is full: a socket with a
     timeout is non-blocking underneath, and for AF_UNIX a full backlog then fails at once
-    with EAGAIN instead of waiting (a connect flood by another client would refuse us)."""
+    with EAGAIN instead of waiting (a connect flood by another client would refuse us).
+    A missing socket file or one nobody accepts on raises ``DaemonNotListening``."""
     pause = 0.001
     while True:
         try:
             sock.connect(path)
             return
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise DaemonNotListening(f"no daemon listening at {path}: {exc}") from None
         except BlockingIOError:
             if time.monotonic() + pause > deadline:
                 raise TimeoutError("the daemon's listen backlog stayed full") from None
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("daemon closed the connection")
-        buf += chunk
-    return buf

@@ -35,6 +35,12 @@ class VersionMismatch(ProtocolError):
     """The peer speaks an incompatible protocol version."""
 
 
+class DaemonRefused(ProtocolError):
+    """The daemon answered the worker's set-up (``Hello``, ``RegisterKV``) with an
+    ``Error`` that names no request: it will not serve this worker as it is (rank taken,
+    engine id or layout wrong), so retrying the same set-up does not help."""
+
+
 class HandshakeError(PushsvcError):
     """A daemon-to-daemon handshake failed (unreachable, timed out, incompatible)."""
 
@@ -59,3 +65,8 @@ class LayoutError(PushsvcError):
 
 class DaemonUnavailable(PushsvcError):
     """The worker client cannot reach its daemon (socket missing, refused or closed)."""
+
+
+class DaemonNotListening(DaemonUnavailable):
+    """Nothing listens on the daemon's socket: the path does not exist (ENOENT) or no
+    process accepts on it (ECONNREFUSED). Whatever daemon served it before is gone."""

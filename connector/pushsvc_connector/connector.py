@@ -6,14 +6,18 @@ Configuration (``kv_connector_extra_config``):
 * ``daemon_socket`` (required on workers): the daemon's Unix socket.
 * ``watchdog_s`` / ``lease_s``: the connector's backstop timers (default 180 s), set
   above the daemon's own watchdog and lease so the daemon's fire first.
-* ``connect_timeout_s``: bound on the blocking connect at start-up (default 10 s).
+* ``connect_timeout_s``: bound on the blocking connect and KV registration, at start-up
+  and on each reconnect attempt (default 10 s).
 * ``idle_wait_ms``: on a step with nothing scheduled and transfers pending, how long
   the worker may wait for a daemon event before returning (default 10 ms).
+
+Supported parallelism: tensor parallelism only. One daemon serves the TP ranks of one
+vLLM instance; pipeline stages or data-parallel replicas would bring several workers
+with the same TP rank, which the daemon refuses, so construction refuses them first.
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,15 +27,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from pushsvc.client import describe_daemon
-from pushsvc.errors import DaemonUnavailable
+from pushsvc_connector.coordinates import DaemonCoordinates
 from pushsvc_connector.kvshare import share_kv_caches
 from pushsvc_connector.metadata import PushsvcMetadata
 from pushsvc_connector.scheduler import PushScheduler
+from pushsvc_connector.stats import PushsvcConnectorStats, PushsvcPromMetrics
 from pushsvc_connector.worker import PushWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -41,20 +51,25 @@ if TYPE_CHECKING:
 
 _ROLES = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
 DEFAULT_BACKSTOP_S = 180.0
+# ParallelConfig fields whose value must be 1 (see the module docstring).
+_UNSUPPORTED_PARALLELISM = ("pipeline_parallel_size", "data_parallel_size")
 
 
 class PushsvcConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        check_parallelism(vllm_config.parallel_config)
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
+        self._coords: DaemonCoordinates | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._coords = _DaemonCoordinates(str(extra.get("daemon_socket", "")),
-                                              vllm_config.parallel_config.tensor_parallel_size)
+            socket_path = str(extra.get("daemon_socket", ""))
+            if socket_path and self._kv_transfer_config.is_kv_producer:  # only P returns its coordinates
+                self._coords = DaemonCoordinates(socket_path, vllm_config.parallel_config.tensor_parallel_size)
             self._scheduler = PushScheduler(watchdog_s=float(extra.get("watchdog_s", DEFAULT_BACKSTOP_S)),
                                             lease_s=float(extra.get("lease_s", DEFAULT_BACKSTOP_S)),
-                                            coordinates=self._coords.get)
+                                            coordinates=self._coords.get if self._coords else lambda: None)
             return
         socket_path = extra.get("daemon_socket")
         if not socket_path:
@@ -74,6 +89,8 @@ class PushsvcConnector(KVConnectorBase_V1):
     # ================================================================ worker role
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # Raises DaemonRefused when the daemon refuses this worker (vLLM then fails to
+        # start, with the daemon's reason); a daemon not there yet is retried later.
         assert self._worker is not None
         num_blocks = self._kv_cache_config.num_blocks
         first = next(iter(kv_caches.values()))
@@ -111,6 +128,8 @@ class PushsvcConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._coords is not None:
+            self._coords.close()
 
     # ================================================================ scheduler role
 
@@ -124,6 +143,8 @@ class PushsvcConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
+        if self._coords is not None:
+            self._coords.refresh()  # non-blocking; keeps P's coordinates fresh between requests
         return self._scheduler.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -138,25 +159,35 @@ class PushsvcConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
+    # ================================================================ metrics (both roles)
 
-class _DaemonCoordinates:
-    """Where D must register for this P: the daemon's engine id and side channel. Asked
-    with ``Describe`` at most once a second (a restarted daemon has a new port); the
-    last answer is kept while the daemon cannot be asked."""
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # Each role counts its own events; vLLM sums the workers' and the scheduler's.
+        if self._scheduler is not None:
+            return self._scheduler.take_stats()
+        return self._worker.take_stats() if self._worker is not None else None
 
-    def __init__(self, socket_path: str, tp_size: int) -> None:
-        self._socket_path = socket_path
-        self._tp_size = tp_size
-        self._value: dict[str, Any] | None = None
-        self._next_try = 0.0
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        # A copy: vLLM's loggers aggregate into the object they build, and the payload
+        # is also read by its Prometheus logger.
+        return PushsvcConnectorStats(data={name: dict(by_label) for name, by_label in (data or {}).items()})
 
-    def get(self) -> dict[str, Any] | None:
-        if self._socket_path and time.monotonic() >= self._next_try:
-            self._next_try = time.monotonic() + 1.0
-            try:
-                w = describe_daemon(self._socket_path, timeout_s=0.5)
-            except DaemonUnavailable:
-                return self._value
-            self._value = {"remote_engine_id": w.engine_id, "remote_host": w.side_channel_host,
-                           "remote_port": w.side_channel_port, "remote_tp_size": self._tp_size}
-        return self._value
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return PushsvcPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def check_parallelism(parallel_config: Any) -> None:
+    """Refuse what the daemon cannot serve: it knows a worker by its TP rank alone."""
+    for name in _UNSUPPORTED_PARALLELISM:
+        size = getattr(parallel_config, name)
+        if size != 1:
+            raise ValueError(
+                f"PushsvcConnector does not support {name}={size}: one pushsvc daemon serves the "
+                "tensor-parallel ranks of one vLLM instance, and a second pipeline stage or data-parallel "
+                "replica would bring another worker for the same TP rank. Supported: tensor parallelism "
+                "only (pipeline_parallel_size=1, data_parallel_size=1); for data parallelism run separate "
+                "vLLM instances, each with its own daemon.")

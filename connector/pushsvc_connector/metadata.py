@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from pushsvc.protocol.worker import RegisterRecv
+from pushsvc.protocol.worker import RegisterRecv, SendReady
 
 
 @dataclass
@@ -15,7 +15,7 @@ class PushsvcMetadata(KVConnectorMetadata):
     # D: registrations to forward to the daemon (it sends PUSH_REG to P).
     recvs: dict[str, RegisterRecv] = field(default_factory=dict)
     # P: finished requests whose blocks the daemon pushes once D registered.
-    sends: dict[str, list[list[int]]] = field(default_factory=dict)
+    sends: dict[str, SendReady] = field(default_factory=dict)
     # Either side: requests the engine dropped (aborted, finished early).
     evictions: list[str] = field(default_factory=list)
     # D: requests that ended before they were ever scheduled. An empty registration
@@ -24,6 +24,9 @@ class PushsvcMetadata(KVConnectorMetadata):
     releases: list[RegisterRecv] = field(default_factory=list)
     # D: dropped before their registration was shipped: report finished at once.
     dropped_recvs: list[str] = field(default_factory=list)
+    # D: loads the scheduler could not register: report them failed at once, with
+    # these (flat) block ids as load errors.
+    failed_recvs: dict[str, list[int]] = field(default_factory=dict)
     # Backstop timers that fired in the scheduler: the worker reports these as
     # finished (and D's as failed loads) whatever the daemon says.
     expired_recvs: list[str] = field(default_factory=list)
@@ -34,5 +37,5 @@ class PushsvcMetadata(KVConnectorMetadata):
 
     @property
     def empty(self) -> bool:
-        return not (self.recvs or self.sends or self.evictions or self.dropped_recvs or self.expired_recvs
-                    or self.expired_sends or self.releases)
+        return not (self.recvs or self.sends or self.evictions or self.dropped_recvs or self.failed_recvs
+                    or self.expired_recvs or self.expired_sends or self.releases)

@@ -7,6 +7,12 @@ step's metadata and a watchdog armed. P: a finished prefill with ``do_remote_dec
 keeps its blocks (delayed free) under a lease until the worker reports the push done.
 The daemon runs the real lease and watchdog; these timers are a backstop that fires
 later, for when the daemon cannot answer at all.
+
+Whatever a client put in ``kv_transfer_params`` (and the request id) is checked by
+``params.py`` before any hook uses it: what the worker protocol cannot carry falls back
+(D prefills the request locally, P does not hold its blocks) with a warning and a count
+in ``refused_requests``, never an exception inside vLLM's scheduler. Each P/D exchange
+carries a match key, ``transfer_id``: the proxy's, else one P mints and returns.
 """
 
 from __future__ import annotations
@@ -14,12 +20,26 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from pushsvc.protocol.worker import RegisterRecv
+from vllm.logger import init_logger
+
+from pushsvc.protocol.worker import RegisterRecv, SendReady
 from pushsvc_connector.metadata import PushsvcMetadata
+from pushsvc_connector.params import (
+    Refusal,
+    RemotePrefill,
+    check_request_id,
+    given_match_key,
+    mint_match_key,
+    params_of,
+    remote_prefill,
+)
+from pushsvc_connector.stats import PushsvcConnectorStats
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
+
+log = init_logger("vllm.pushsvc_connector")
 
 _FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
@@ -33,10 +53,12 @@ class PushScheduler:
         self._coordinates = coordinates
         self.lease_s = lease_s
         self._clock = clock
+        self.stats = PushsvcConnectorStats()
         self._new_recvs: dict[str, RegisterRecv] = {}
-        self._new_sends: dict[str, list[list[int]]] = {}
+        self._new_sends: dict[str, SendReady] = {}
         self._evictions: list[str] = []
         self._dropped: list[str] = []  # D: dropped before its registration was shipped
+        self._failed: dict[str, list[int]] = {}  # D: allocated for a load that cannot be registered
         self._releases: list[RegisterRecv] = []  # D: never scheduled; P must free its blocks
         self._recv_deadlines: dict[str, float] = {}  # D: registered, not yet received
         self._send_deadlines: dict[str, float] = {}  # P: blocks held for the push
@@ -44,15 +66,24 @@ class PushScheduler:
     # ------------------------------------------------------------------ D side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill"):
-            count = len(request.prompt_token_ids or ()) - num_computed_tokens
-            if count > 0:
-                return count, True
+        params = params_of(request)
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        # Everything the later hooks and the worker will use is checked here, once:
+        # what fails falls back to a local prefill instead of raising inside vLLM's
+        # schedule() (fatal to the engine core) or reaching the daemon.
+        refusal = check_request_id(request.request_id) or _refusal(remote_prefill(params))
+        if refusal is not None:
+            params["do_remote_prefill"] = False  # no later hook looks at these params again
+            self._refused(request.request_id, refusal, "prefilling it locally")
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count > 0:
+            return count, True
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
+        params = params_of(request)
         if not params or not params.get("do_remote_prefill"):
             return
         # Only the first call registers; a re-entry after the load must not.
@@ -60,20 +91,31 @@ class PushScheduler:
         if num_external_tokens <= 0:
             return  # full prefix hit on D: nothing to receive
         rid = request.request_id
+        block_ids = [list(g) for g in blocks.get_unhashed_block_ids_all_groups()]
+        remote = remote_prefill(params)
+        refusal = check_request_id(rid) or _refusal(remote)
+        if refusal is not None or not isinstance(remote, RemotePrefill):
+            # get_num_new_matched_tokens accepted the same params moments ago, so this
+            # does not happen; if it did, vLLM waits for this load: fail it, never hang.
+            log.error("pushsvc: request %s: cannot register the load it was promised: %s", rid[:300],
+                      refusal.detail if refusal else "no coordinates")
+            self._failed[rid] = [b for g in block_ids for b in g]
+            return
         self._new_recvs[rid] = RegisterRecv(
             request_id=rid,
-            local_block_ids=[list(g) for g in blocks.get_unhashed_block_ids_all_groups()],
-            remote_engine_id=str(params["remote_engine_id"]),
-            remote_host=str(params["remote_host"]),
-            remote_port=int(params["remote_port"]),
-            remote_tp_size=int(params.get("remote_tp_size", params.get("tp_size", 1))),
+            local_block_ids=block_ids,
+            remote_engine_id=remote.engine_id,
+            remote_host=remote.host,
+            remote_port=remote.port,
+            remote_tp_size=remote.tp_size,
+            match_key=self._given_match_key(rid, params),
         )
         self._recv_deadlines[rid] = self._clock() + self.watchdog_s
 
     # ------------------------------------------------------------------ both
 
     def request_finished(self, request: Request, block_ids: list[list[int]] | tuple) -> tuple[bool, dict | None]:
-        params = request.kv_transfer_params
+        params = params_of(request)
         rid = request.request_id
         if not params:
             return False, None
@@ -81,11 +123,16 @@ class PushScheduler:
             # Ended before it was ever scheduled on D: nothing was allocated. An empty
             # registration tells P to free its blocks now rather than at its lease.
             params["do_remote_prefill"] = False
-            if all(k in params for k in ("remote_engine_id", "remote_host", "remote_port")):
-                self._releases.append(RegisterRecv(
-                    request_id=rid, local_block_ids=[], remote_engine_id=str(params["remote_engine_id"]),
-                    remote_host=str(params["remote_host"]), remote_port=int(params["remote_port"]),
-                    remote_tp_size=int(params.get("remote_tp_size", params.get("tp_size", 1)))))
+            remote = remote_prefill(params)
+            refusal = check_request_id(rid) or _refusal(remote)
+            if refusal is not None or not isinstance(remote, RemotePrefill):
+                if refusal is not None:
+                    self._refused(rid, refusal, "no release sent to P")
+                return False, None
+            self._releases.append(RegisterRecv(
+                request_id=rid, local_block_ids=[], remote_engine_id=remote.engine_id, remote_host=remote.host,
+                remote_port=remote.port, remote_tp_size=remote.tp_size,
+                match_key=self._given_match_key(rid, params)))
             return False, None
         if rid in self._recv_deadlines or rid in self._new_recvs:
             # D request dropped while its KV may still be arriving. vLLM keeps its
@@ -102,23 +149,36 @@ class PushScheduler:
         groups = _grouped(block_ids)
         if request.status.name not in _FINISHED_OK or not any(len(g) for g in groups):
             return False, None
-        self._new_sends[rid] = groups
+        refusal = check_request_id(rid)
+        if refusal is not None:
+            self._refused(rid, refusal, "not holding its blocks for D")
+            return False, None
+        # The exchange's match key: the proxy's, else one minted here; returned to
+        # whoever forwards P's params to D, so both legs carry the same one.
+        key = self._given_match_key(rid, params) or mint_match_key()
+        self._new_sends[rid] = SendReady(request_id=rid, block_ids=groups, match_key=key)
         self._send_deadlines[rid] = self._clock() + self.lease_s
-        out: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push"}
+        out: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
+                               "transfer_id": key}
         out.update(self._coordinates() or {})
         return True, out
 
     def build_connector_meta(self, scheduled_tokens: int = 1) -> PushsvcMetadata:
         now = self._clock()
         meta = PushsvcMetadata(recvs=self._new_recvs, sends=self._new_sends, evictions=self._evictions,
-                               dropped_recvs=self._dropped, releases=self._releases)
-        self._new_recvs, self._new_sends, self._evictions, self._dropped, self._releases = {}, {}, [], [], []
+                               dropped_recvs=self._dropped, failed_recvs=self._failed, releases=self._releases)
+        self._new_recvs, self._new_sends, self._evictions, self._dropped, self._failed, self._releases = (
+            {}, {}, [], [], {}, [])
         meta.expired_recvs = [r for r, t in self._recv_deadlines.items() if t <= now]
         for rid in meta.expired_recvs:
             self._recv_deadlines.pop(rid, None)
         meta.expired_sends = [r for r, t in self._send_deadlines.items() if t <= now]
         for rid in meta.expired_sends:
             del self._send_deadlines[rid]
+        if meta.expired_recvs:
+            self.stats.record("backstop_expiries", "recv", len(meta.expired_recvs))
+        if meta.expired_sends:
+            self.stats.record("backstop_expiries", "send", len(meta.expired_sends))
         meta.idle = scheduled_tokens == 0
         return meta
 
@@ -132,11 +192,34 @@ class PushScheduler:
         # P's finished requests leave the running set; the engine must keep stepping
         # so the worker can report their pushes done and free the blocks.
         return bool(self._send_deadlines or self._new_sends or self._new_recvs or self._evictions
-                    or self._dropped or self._releases)
+                    or self._dropped or self._failed or self._releases)
+
+    def take_stats(self) -> PushsvcConnectorStats | None:
+        return self.stats.take()
+
+    # ------------------------------------------------------------------ internals
+
+    def _given_match_key(self, rid: str, params: dict[str, Any]) -> str:
+        key, problem = given_match_key(params)
+        if problem:
+            # Never sent to the daemon (it would refuse the whole message); the request
+            # goes on, paired by request id.
+            log.warning("pushsvc: request %s: %s; ignoring it", rid[:300], problem)
+            self.stats.record("ignored_transfer_ids")
+        return key
+
+    def _refused(self, rid: Any, refusal: Refusal, consequence: str) -> None:
+        shown = rid if isinstance(rid, str) and len(rid) <= 300 else f"{str(rid)[:300]}..."
+        log.warning("pushsvc: request %s: %s; %s", shown, refusal.detail, consequence)
+        self.stats.record("refused_requests", refusal.reason)
 
     def __repr__(self) -> str:
         return (f"<PushScheduler recv={len(self._recv_deadlines)} send={len(self._send_deadlines)} "
                 f"queued={len(self._new_recvs)}/{len(self._new_sends)}/{len(self._evictions)}>")
+
+
+def _refusal(outcome: RemotePrefill | Refusal) -> Refusal | None:
+    return outcome if isinstance(outcome, Refusal) else None
 
 
 def _grouped(block_ids: list[int] | list[list[int]] | tuple) -> list[list[int]]:

@@ -7,24 +7,46 @@ exactly one report to vLLM: finished sending (P's blocks can be freed) or finish
 receiving (D's request may run; failed loads are listed by
 ``get_block_ids_with_load_errors``).
 
-If the daemon goes away, requests in flight are reported at once (D's as failed
-loads, so vLLM fails them cleanly), new ones fail fast, and the worker reconnects -
-re-registering the same shared KV memory - when the daemon is back.
+A lost connection is not a dead daemon: a live one may still be writing into D's
+blocks or reading P's for a WRITE, so reporting them would hand vLLM blocks that are
+still in use. Requests outstanding when the connection drops are therefore *held*, and
+the worker tries to reconnect every ``reconnect_interval_s``. What an attempt finds
+decides about them:
+
+* nothing listening on the socket (ENOENT, ECONNREFUSED): the process that owned the
+  NIXL registration is gone and nothing can land any more; held requests are released
+  (D's as failed loads, so vLLM fails or recomputes them; P's as finished sending);
+* a daemon with another ``daemon_id``: a new incarnation, likewise;
+* the same daemon: they stay held; it delivers their final events (``RecvDone`` ...
+  ``SendFailed``) to the new connection of the same rank from the same pid.
+
+The scheduler's backstop timers (``expired_recvs`` / ``expired_sends``) release a held
+request as well. While connected, a backstop expiry frees nothing by itself: the worker
+sends ``Evict`` and waits for the final event, which the daemon sends once the blocks
+are safe. Requests that arrive while disconnected fail fast. Reconnecting registers the
+same shared KV memory again, without restarting vLLM.
+
+At start-up a daemon that refuses the worker (its ``Error`` without a request id for the
+hello or the KV registration: rank taken, layout refused) fails ``register`` with its
+message; only a daemon that is not there (yet) is retried.
 """
 
 from __future__ import annotations
 
 import select
 import time
+from dataclasses import dataclass
 
+import msgspec
 from vllm.logger import init_logger
 
 from pushsvc.client import DaemonClient
-from pushsvc.errors import DaemonUnavailable, PushsvcError
+from pushsvc.errors import DaemonNotListening, DaemonRefused, DaemonUnavailable, PushsvcError
 from pushsvc.protocol import worker as wp
 from pushsvc.protocol.worker import Region
 from pushsvc.shm import SharedBuffer
 from pushsvc_connector.metadata import PushsvcMetadata
+from pushsvc_connector.stats import BACKSTOP, DAEMON_GONE, DAEMON_RESTARTED, PushsvcConnectorStats
 
 # Under the "vllm" logger so vLLM's own handler and level apply.
 log = init_logger("vllm.pushsvc_connector")
@@ -34,21 +56,32 @@ RECONNECT_INTERVAL_S = 0.25
 _WARN_EVERY = 40
 
 
+@dataclass(slots=True)
+class _Transfer:
+    """A request handed to the daemon, until its one report to vLLM."""
+
+    blocks: list[int]  # D: its block ids, all groups (load errors if it fails); P: unused
+    held: bool = False  # outstanding on a connection that was lost
+    evicted: bool = False  # D: vLLM dropped the request: release its blocks, do not fail them
+    backstop: bool = False  # the scheduler's backstop fired: Evict sent, the final event awaited
+
+
 class PushWorker:
     def __init__(self, *, socket_path: str, rank: int, tp_size: int, role: wp.Role,
                  connect_timeout_s: float = 10.0, reconnect_interval_s: float = RECONNECT_INTERVAL_S) -> None:
         self.reconnect_interval_s = reconnect_interval_s
         self.client = DaemonClient(socket_path, engine_id="", rank=rank, tp_size=tp_size, role=role,
                                    timeout_s=connect_timeout_s)
+        self.stats = PushsvcConnectorStats()
         self._buffers: list[SharedBuffer] = []
         self._regions: list[Region] = []
         self._blocks_per_logical = 1
         self._registered = False
+        self._daemon_id = ""  # the incarnation last connected to
         self._next_connect = 0.0
         self._connect_failures = 0
-        self._recving: dict[str, list[int]] = {}  # D: request -> its block ids
-        self._evicted: set[str] = set()  # D: evicted, final report pending
-        self._sending: set[str] = set()
+        self._recving: dict[str, _Transfer] = {}  # D
+        self._sending: dict[str, _Transfer] = {}  # P
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -56,27 +89,56 @@ class PushWorker:
     # ------------------------------------------------------------------ set-up
 
     def register(self, buffers: list[SharedBuffer], regions: list[Region], blocks_per_logical: int) -> None:
+        """Share the KV memory with the daemon. Raises ``DaemonRefused`` if the daemon
+        refuses this worker; a daemon not there yet is retried from the engine steps."""
         self._buffers, self._regions, self._blocks_per_logical = buffers, regions, blocks_per_logical
-        self._connect()
+        self._connect(startup=True)
 
-    def _connect(self) -> bool:
+    def _connect(self, startup: bool = False) -> bool:
+        """One attempt to connect and register the KV memory; what it finds also decides
+        about the requests held from a lost connection (see the module docstring)."""
         self._next_connect = time.monotonic() + self.reconnect_interval_s
         try:
             welcome = self.client.connect()
+            if welcome.daemon_id != self._daemon_id:
+                if self._daemon_id:
+                    self._release_held(DAEMON_RESTARTED, f"the daemon restarted (now {welcome.daemon_id})")
+                self._daemon_id = welcome.daemon_id
             self.client.register_kv([b.fd for b in self._buffers], self._regions, self._blocks_per_logical)
+        except DaemonRefused as exc:
+            self.client.close()
+            if startup:
+                raise DaemonRefused(f"pushsvc daemon at {self.client.socket_path} refused this worker (TP rank "
+                                    f"{self.client.hello.rank}): {exc}") from None
+            self._attempt_failed(exc)  # e.g. the daemon has not yet seen our old connection close
+            return False
+        except DaemonNotListening as exc:
+            self.client.close()
+            self._release_held(DAEMON_GONE, "no pushsvc daemon is listening any more")
+            self._attempt_failed(exc)
+            return False
         except PushsvcError as exc:
             self.client.close()
-            self._registered = False
-            if self._connect_failures % _WARN_EVERY == 0:
-                log.warning("pushsvc daemon unavailable at %s (attempt %d): %s", self.client.socket_path,
-                            self._connect_failures + 1, exc)
-            self._connect_failures += 1
+            self._attempt_failed(exc)
             return False
         self._connect_failures = 0
         self._registered = True
-        log.info("pushsvc connected: engine %s, side channel %s:%d, %d regions", welcome.engine_id,
-                 welcome.side_channel_host, welcome.side_channel_port, len(self._regions))
+        held = sum(t.held for t in self._recving.values()) + sum(t.held for t in self._sending.values())
+        log.info("pushsvc connected: daemon %s, engine %s, side channel %s:%d, %d regions%s", welcome.daemon_id,
+                 welcome.engine_id, welcome.side_channel_host, welcome.side_channel_port, len(self._regions),
+                 f"; {held} requests of the previous connection await their final events" if held else "")
+        # Evictions that may not have reached the daemon before the connection dropped.
+        evicted = [rid for rid, t in self._recving.items() if t.held and t.evicted]
+        if evicted:
+            self._send(wp.Evict(request_ids=evicted))
         return True
+
+    def _attempt_failed(self, exc: Exception) -> None:
+        self._registered = False
+        if self._connect_failures % _WARN_EVERY == 0:
+            log.warning("pushsvc daemon unavailable at %s (attempt %d): %s", self.client.socket_path,
+                        self._connect_failures + 1, exc)
+        self._connect_failures += 1
 
     @property
     def welcome(self) -> wp.Welcome | None:
@@ -97,41 +159,49 @@ class PushWorker:
                       len(meta.evictions))
         for rid in meta.dropped_recvs:
             self._done_recving.add(rid)
+        for rid, blocks in meta.failed_recvs.items():
+            self._load_errors.update(blocks)
+            self._done_recving.add(rid)
         for release in meta.releases:
             self._send(release)  # best effort: P's lease frees the blocks otherwise
-        for rid in meta.expired_recvs:
-            self._fail_recv(rid, "no push before the connector's watchdog")
-            self._send(wp.Evict(request_ids=[rid]))
-        for rid in meta.expired_sends:
-            if rid in self._sending:
-                self._sending.discard(rid)
-                self._done_sending.add(rid)
-                self._send(wp.Evict(request_ids=[rid]))
+        evict = [*self._backstop(meta.expired_recvs, self._recving), *self._backstop(meta.expired_sends,
+                                                                                      self._sending)]
         for rid in meta.evictions:
-            if rid in self._recving:
-                self._evicted.add(rid)
-                self._send(wp.Evict(request_ids=[rid]))
+            transfer = self._recving.get(rid)
+            if transfer is not None:
+                transfer.evicted = True
+                if not transfer.held:  # a held one is evicted again once the daemon is back
+                    evict.append(rid)
+        if evict:
+            self._send(wp.Evict(request_ids=evict))
         for rid, reg in meta.recvs.items():
-            self._recving[rid] = [b for g in reg.local_block_ids for b in g]
-            if not self._send(reg):
-                self._fail_recv(rid, "pushsvc daemon unavailable")
-        for rid, blocks in meta.sends.items():
-            self._sending.add(rid)
-            if not self._send(wp.SendReady(request_id=rid, block_ids=blocks)):
-                self._sending.discard(rid)
+            blocks = [b for g in reg.local_block_ids for b in g]
+            if self._send(reg):
+                self._recving[rid] = _Transfer(blocks)
+            else:
+                log.warning("pushsvc: KV for %s not received: pushsvc daemon unavailable", rid)
+                self._load_errors.update(blocks)
+                self._done_recving.add(rid)
+        for rid, ready in meta.sends.items():
+            if self._send(ready):
+                self._sending[rid] = _Transfer([])
+            else:
                 self._done_sending.add(rid)
 
     def get_finished(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """Completed transfers. With ``wait_s`` > 0 (an idle engine step) and transfers
         pending but nothing to report yet, first wait up to ``wait_s`` for an event."""
-        # ``connected`` too: the client closes its socket as soon as it reads the
-        # daemon's EOF and reports the loss on the next poll, below.
-        if (wait_s > 0 and self._registered and self.client.connected and (self._recving or self._sending)
-                and not (self._done_sending or self._done_recving)):
-            try:
-                select.select([self.client], [], [], wait_s)
-            except (OSError, ValueError, DaemonUnavailable):
-                pass  # reported by the poll below
+        if wait_s > 0 and (self._recving or self._sending) and not (self._done_sending or self._done_recving):
+            # ``connected`` too: the client closes its socket as soon as it reads the
+            # daemon's EOF and reports the loss on the next poll, below.
+            if self._registered and self.client.connected:
+                try:
+                    select.select([self.client], [], [], wait_s)
+                except (OSError, ValueError, DaemonUnavailable):
+                    pass  # reported by the poll below
+            elif not self._registered:
+                # Only held requests: nothing can arrive before the next attempt to reconnect.
+                time.sleep(max(0.0, min(wait_s, self._next_connect - time.monotonic())))
         if self._available():
             try:
                 events = self.client.poll()
@@ -144,6 +214,9 @@ class PushWorker:
         self._done_sending, self._done_recving = set(), set()
         return sending, recving
 
+    def take_stats(self) -> PushsvcConnectorStats | None:
+        return self.stats.take()
+
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -152,40 +225,71 @@ class PushWorker:
 
     def _on_event(self, event: wp.DaemonMessage) -> None:
         if isinstance(event, wp.RecvDone):
-            if self._recving.pop(event.request_id, None) is not None:
-                self._evicted.discard(event.request_id)
-                self._done_recving.add(event.request_id)
+            self._finish_recv(event.request_id, failure=None)
         elif isinstance(event, wp.RecvFailed):
-            self._fail_recv(event.request_id, event.reason)
+            self._finish_recv(event.request_id, failure=event.reason)
         elif isinstance(event, (wp.SendDone, wp.SendFailed)):
             if isinstance(event, wp.SendFailed):
                 log.warning("pushsvc: push of %s failed: %s", event.request_id, event.reason)
-            if event.request_id in self._sending:
-                self._sending.discard(event.request_id)
-                self._done_sending.add(event.request_id)
+            self._finish_send(event.request_id)
         elif isinstance(event, wp.Error):
             log.error("pushsvc daemon refused a message: %s: %s (request %s)", event.code, event.message,
                       event.request_id or "-")
-            if event.request_id in self._recving:
-                self._fail_recv(event.request_id, event.message)
-            elif event.request_id in self._sending:
-                self._sending.discard(event.request_id)
-                self._done_sending.add(event.request_id)
+            if event.request_id:
+                # The daemon does not track a request it refused: no other event follows.
+                self._finish_recv(event.request_id, failure=f"refused by the daemon: {event.message}")
+                self._finish_send(event.request_id)
 
-    def _fail_recv(self, rid: str, reason: str) -> None:
-        blocks = self._recving.pop(rid, None)
-        if blocks is None:
-            return
-        if rid in self._evicted:
-            self._evicted.discard(rid)  # the request is gone: just release its blocks
+    def _backstop(self, expired: list[str], table: dict[str, _Transfer]) -> list[str]:
+        """The scheduler's backstop fired for ``expired``: release the held ones now,
+        return the ids to evict (their blocks are freed when the daemon answers)."""
+        evict = []
+        for rid in expired:
+            transfer = table.get(rid)
+            if transfer is None:
+                continue
+            if transfer.held:
+                self._release(rid, table, BACKSTOP, "the connector's backstop fired while the daemon was away")
+            else:
+                log.warning("pushsvc: %s: the connector's backstop fired; evicting it, its blocks are freed "
+                            "when the daemon confirms", rid)
+                transfer.backstop = True
+                evict.append(rid)
+        return evict
+
+    def _release(self, rid: str, table: dict[str, _Transfer], cause: str, why: str) -> None:
+        """Report ``rid`` without the daemon's final event."""
+        log.warning("pushsvc: %s released without the daemon's final event: %s", rid, why)
+        self.stats.record("released_requests", cause)
+        if table is self._recving:
+            self._finish_recv(rid, failure=why)
         else:
-            log.warning("pushsvc: KV for %s not received: %s", rid, reason)
-            self._load_errors.update(blocks)
+            self._finish_send(rid)
+
+    def _release_held(self, cause: str, why: str) -> None:
+        for table in (self._recving, self._sending):
+            for rid in [rid for rid, t in table.items() if t.held]:
+                self._release(rid, table, cause, why)
+
+    def _finish_recv(self, rid: str, failure: str | None) -> None:
+        transfer = self._recving.pop(rid, None)
+        if transfer is None:
+            return
+        if failure is not None and not transfer.evicted:
+            log.warning("pushsvc: KV for %s not received: %s", rid, failure)
+            self._load_errors.update(transfer.blocks)
         self._done_recving.add(rid)
+
+    def _finish_send(self, rid: str) -> None:
+        if self._sending.pop(rid, None) is not None:
+            self._done_sending.add(rid)
 
     def _send(self, msg: wp.WorkerMessage) -> bool:
         if not self._available():
             return False
+        if isinstance(msg, (wp.RegisterRecv, wp.SendReady)) and msg.match_key and not self.client.supports(
+                wp.MATCH_KEY_MINOR):
+            msg = msgspec.structs.replace(msg, match_key="")  # a 1.0 daemon refuses the field
         try:
             self.client.send(msg)
             return True
@@ -194,15 +298,22 @@ class PushWorker:
             return False
 
     def _daemon_lost(self, exc: Exception) -> None:
-        log.error("pushsvc daemon connection lost (%s); failing %d receives and releasing %d sends",
-                  exc, len(self._recving), len(self._sending))
         self._registered = False
         self.client.close()
         self._next_connect = time.monotonic() + self.reconnect_interval_s
-        for rid in list(self._recving):
-            self._fail_recv(rid, "pushsvc daemon went away")
-        self._done_sending |= self._sending
-        self._sending.clear()
+        self.stats.record("daemon_disconnects")
+        newly_held = 0
+        for table in (self._recving, self._sending):
+            for rid, transfer in list(table.items()):
+                if transfer.backstop:  # its backstop fired already: nothing else would release it
+                    self._release(rid, table, BACKSTOP, "the daemon connection was lost after the backstop fired")
+                elif not transfer.held:
+                    transfer.held = True
+                    newly_held += 1
+        if newly_held:
+            self.stats.record("held_requests", n=newly_held)
+        log.error("pushsvc daemon connection lost (%s); holding %d receives and %d sends until the daemon reports "
+                  "them or is known to be gone", exc, len(self._recving), len(self._sending))
 
     def close(self) -> None:
         self.client.close()
@@ -211,5 +322,6 @@ class PushWorker:
         self._buffers = []
 
     def __repr__(self) -> str:
+        held = sum(t.held for t in self._recving.values()) + sum(t.held for t in self._sending.values())
         return (f"<PushWorker connected={self._registered} recving={len(self._recving)} "
-                f"sending={len(self._sending)}>")
+                f"sending={len(self._sending)} held={held}>")

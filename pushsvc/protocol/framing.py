@@ -9,6 +9,7 @@ buffered, so a lying prefix costs nothing.
 
 from __future__ import annotations
 
+import socket
 import struct
 
 import msgspec
@@ -44,6 +45,33 @@ def check_preamble(data: bytes, magic: bytes, major: int) -> int:
 
 def frame(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
+
+
+def read_exact(sock: socket.socket, n: int) -> bytes:
+    """Read exactly ``n`` bytes from a blocking socket (its timeout applies to each
+    ``recv``). An end of stream before that raises ``ConnectionError``."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(sock: socket.socket, max_frame: int) -> bytes:
+    """Read one frame from a blocking socket and return its payload.
+
+    The length prefix is checked against ``max_frame`` before a payload byte is read:
+    a larger one raises ``FrameTooLarge`` (the stream is then unusable). An end of
+    stream before the frame is complete raises ``ConnectionError``; the socket's
+    timeout raises ``TimeoutError``. For the blocking set-up exchanges only; steady
+    state reading goes through ``FrameBuffer``.
+    """
+    (length,) = HEADER.unpack(read_exact(sock, HEADER.size))
+    if length > max_frame:
+        raise FrameTooLarge(f"frame of {length} bytes exceeds cap {max_frame}")
+    return read_exact(sock, length)
 
 
 class FrameBuffer:

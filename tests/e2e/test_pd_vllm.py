@@ -162,6 +162,53 @@ def test_prefix_cache_hit_on_d(pd: PD) -> None:
     wait_kv_usage({"prefill": pd.prefill.url, "decode": pd.decode.url}, {"prefill": 0.0, "decode": 0.0}, SETTLE_S)
 
 
+def _refused(pd: PD, reason: str) -> float:
+    return metric(scrape(pd.decode.url), "vllm:pushsvc_connector_refused_requests_total", reason=reason) or 0.0
+
+
+def test_params_d_cannot_use_fall_back_to_a_local_prefill(pd: PD) -> None:
+    """D prefills locally, promptly, and counts it on its /metrics, when a direct request
+    carries only ``do_remote_prefill`` (this raised inside vLLM's scheduler and killed D's
+    engine) or an id longer than the worker protocol carries (this waited for the backstop)."""
+    reasons = ("bad_kv_transfer_params", "request_id_too_long")
+    before = {reason: _refused(pd, reason) for reason in reasons}
+    req = pd.req("later-30")
+    bare = generate(pd.decode.url, req.with_body(kv_transfer_params={"do_remote_prefill": True}))
+    _assert_same_as_colocated(pd, req.name, bare)
+    long_id = generate(pd.decode.url, req.with_body(kv_transfer_params=remote_prefill_params(pd.prefill_daemon.info)),
+                       request_id=_rid("long") + "-" + "x" * 300)
+    _assert_same_as_colocated(pd, req.name, long_id)
+    assert long_id.elapsed_s < WATCHDOG_S, str(long_id)
+    wait_for("D's refused-request counters", lambda: {r: _refused(pd, r) - before[r] for r in reasons},
+             lambda got: got == {r: 1.0 for r in reasons}, SETTLE_S)
+    # D is still up and serves P/D requests; nothing was registered anywhere.
+    _assert_same_as_colocated(pd, "later-300", generate(pd.proxy.url, pd.req("later-300")))
+    wait_tables_zero(pd.daemon_urls(), SETTLE_S)
+
+
+def test_both_legs_carry_ps_transfer_id(pd: PD) -> None:
+    """P keeps the transfer_id it is given, or mints one, and returns it; D, sent P's
+    params as a router forwards them, receives the push under it."""
+    done_before = _transfers_done(pd)
+    for name, given in (("later-300", {"transfer_id": f"xchg-{uuid.uuid4().hex[:12]}"}), ("later-30", {})):
+        rid = _rid(f"xchg-{name}")
+        req = pd.req(name)
+        p_out = generate(pd.prefill.url, req.with_body(max_tokens=1, kv_transfer_params={**PREFILL_LEG_PARAMS,
+                                                                                          **given}),
+                         request_id=rid)
+        assert p_out.ok, str(p_out)
+        returned = p_out.body["kv_transfer_params"]
+        if given:
+            assert returned["transfer_id"] == given["transfer_id"]
+        else:
+            assert len(returned["transfer_id"]) == 32, returned
+        assert returned["remote_port"] == pd.prefill_daemon.info["side_channel_port"]
+        _assert_same_as_colocated(pd, name, generate(pd.decode.url, req.with_body(kv_transfer_params=returned),
+                                                     request_id=rid))
+    wait_for("P daemon's completed pushes", lambda: _transfers_done(pd) - done_before, lambda n: n >= 2, SETTLE_S)
+    wait_tables_zero(pd.daemon_urls(), SETTLE_S)
+
+
 def test_client_disconnect_mid_stream_and_abort_before_scheduling(pd: PD, tokenizer: Any) -> None:
     """Clients that leave at three points: nothing leaks, and P's blocks held for a D request
     that was never scheduled go at once (D's empty registration), not at P's lease."""

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import socket
 import struct
+import threading
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pushsvc.errors import FrameTooLarge, ProtocolError, VersionMismatch
-from pushsvc.protocol.framing import HEADER, PREAMBLE, FrameBuffer, check_preamble, encode_preamble, frame
+from pushsvc.protocol.framing import (
+    HEADER,
+    PREAMBLE,
+    FrameBuffer,
+    check_preamble,
+    encode_preamble,
+    frame,
+    read_exact,
+    read_frame,
+)
 
 # ---------------------------------------------------------------- preamble
 
@@ -64,6 +75,67 @@ def test_frame_prefixes_big_endian_length() -> None:
     assert frame(b"abc") == b"\x00\x00\x00\x03abc"
     assert frame(b"") == b"\x00\x00\x00\x00"
     assert frame(b"x" * 256)[:4] == b"\x00\x00\x01\x00"
+
+
+# ---------------------------------------------------------------- read_frame (blocking)
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    b.settimeout(5.0)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_read_frame_returns_frames_in_order(pair) -> None:
+    a, b = pair
+    a.sendall(frame(b"one") + frame(b"") + frame(b"three"))
+    assert [read_frame(b, 16) for _ in range(3)] == [b"one", b"", b"three"]
+
+
+def test_read_frame_assembles_a_frame_sent_in_pieces(pair) -> None:
+    a, b = pair
+    data = frame(b"x" * 5000)
+
+    def trickle() -> None:
+        for i in range(0, len(data), 7):
+            a.sendall(data[i : i + 7])
+
+    writer = threading.Thread(target=trickle)
+    writer.start()
+    try:
+        assert read_frame(b, 5000) == b"x" * 5000
+    finally:
+        writer.join()
+
+
+def test_read_frame_refuses_an_oversized_length_before_reading_the_payload(pair) -> None:
+    a, b = pair
+    a.sendall(HEADER.pack(17) + b"p" * 17)
+    with pytest.raises(FrameTooLarge, match="17 bytes exceeds cap 16"):
+        read_frame(b, 16)
+    # The payload was never read: it is all still in the socket.
+    assert read_exact(b, 17) == b"p" * 17
+
+
+def test_read_frame_at_end_of_stream_is_a_connection_error(pair) -> None:
+    a, b = pair
+    a.sendall(frame(b"abcdef")[:7])
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(ConnectionError, match="closed after 3 of 6 bytes"):
+        read_frame(b, 16)
+    with pytest.raises(ConnectionError, match="closed after 0 of 4 bytes"):
+        read_frame(b, 16)
+
+
+def test_read_frame_times_out_with_the_sockets_timeout(pair) -> None:
+    a, b = pair
+    b.settimeout(0.05)
+    a.sendall(HEADER.pack(4) + b"ab")
+    with pytest.raises(TimeoutError):
+        read_frame(b, 16)
 
 
 # ---------------------------------------------------------------- FrameBuffer

@@ -23,7 +23,7 @@ from daemon_fixtures import (
 
 from pushsvc.client import DaemonClient
 from pushsvc.engine.fake import FakeEngine
-from pushsvc.errors import DaemonUnavailable, ProtocolError, PushsvcError
+from pushsvc.errors import DaemonNotListening, DaemonRefused, DaemonUnavailable, PushsvcError
 from pushsvc.protocol import worker as wp
 from pushsvc.protocol.framing import (
     HEADER,
@@ -333,7 +333,7 @@ async def test_client_refusal_names_the_reason() -> None:
                               timeout_s=WAIT_S)
         try:
             for _ in range(10):  # the Error and the close race; every attempt must name the reason
-                with pytest.raises(ProtocolError, match="engine id"):
+                with pytest.raises(DaemonRefused, match="engine id"):
                     await asyncio.to_thread(client.connect)
                 assert not client.connected, "a refused client must not keep the dead socket"
         finally:
@@ -466,6 +466,33 @@ async def test_client_reports_daemon_unavailable_when_daemon_stops() -> None:
                 await worker.connect()
         finally:
             worker.close()
+
+
+def test_client_tells_a_missing_or_dead_daemon_from_one_that_does_not_answer(tmp_path) -> None:
+    """Nothing listening (no socket file, or a file nobody accepts on: a killed daemon's)
+    is ``DaemonNotListening``; a listener that never answers is only unavailable."""
+    path = str(tmp_path / "d.sock")
+    client = DaemonClient(path, engine_id="", rank=0, tp_size=1, role="both", timeout_s=0.2)
+    with pytest.raises(DaemonNotListening, match="no daemon listening"):
+        client.connect()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)  # bound, never listening: ECONNREFUSED
+    try:
+        with pytest.raises(DaemonNotListening):
+            client.connect()
+    finally:
+        stale.close()
+    os.unlink(path)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind(path)
+    silent.listen(1)
+    try:
+        with pytest.raises(DaemonUnavailable) as info:
+            client.connect()
+        assert not isinstance(info.value, DaemonNotListening)
+        assert not client.connected
+    finally:
+        silent.close()
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,49 @@
+"""PushsvcConnector construction and its dispatch of vLLM's stats hooks, with vLLM's own
+config objects (no engine)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from vllm.config import KVTransferConfig, ParallelConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from pushsvc_connector import PushsvcConnector
+from pushsvc_connector.stats import PushsvcConnectorStats
+
+
+def _vllm_config(role: str = "kv_consumer", **parallel) -> SimpleNamespace:
+    """The parts of a VllmConfig the connector reads."""
+    kv = KVTransferConfig(kv_connector="PushsvcConnector", kv_connector_module_path="pushsvc_connector", kv_role=role,
+                          kv_connector_extra_config={"daemon_socket": "/nonexistent/pushsvc.sock"})
+    return SimpleNamespace(kv_transfer_config=kv, parallel_config=ParallelConfig(**parallel))
+
+
+@pytest.mark.parametrize("setting", ["pipeline_parallel_size", "data_parallel_size"])
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_pipeline_and_data_parallelism_are_refused_at_construction(setting, role) -> None:
+    """Regression: the daemon refused the second worker of a TP rank, the connector retried
+    silently, and vLLM ran with every transfer failing."""
+    with pytest.raises(ValueError, match=rf"{setting}=2.*Supported: tensor parallelism only"):
+        PushsvcConnector(_vllm_config(**{setting: 2}), role, None)  # type: ignore[arg-type]
+
+
+def test_the_checked_settings_are_vllms_parallel_config_fields() -> None:
+    fields = ParallelConfig.__dataclass_fields__
+    assert "pipeline_parallel_size" in fields and "data_parallel_size" in fields
+
+
+def test_scheduler_role_reports_its_counters_and_builds_the_stats_vllm_sums() -> None:
+    connector = PushsvcConnector(_vllm_config(), KVConnectorRole.SCHEDULER, None)  # type: ignore[arg-type]
+    assert connector.get_kv_connector_stats() is None
+    bad = SimpleNamespace(request_id="d1", kv_transfer_params={"do_remote_prefill": True}, prompt_token_ids=[1, 2])
+    assert connector.get_num_new_matched_tokens(bad, 0) == (0, False)  # type: ignore[arg-type]
+    stats = connector.get_kv_connector_stats()
+    assert isinstance(stats, PushsvcConnectorStats) and stats.count("refused_requests", "bad_kv_transfer_params") == 1
+    assert connector.get_kv_connector_stats() is None  # taken once
+    rebuilt = PushsvcConnector.build_kv_connector_stats(stats.to_dict())
+    assert isinstance(rebuilt, PushsvcConnectorStats) and rebuilt.to_dict() == stats.to_dict()
+    rebuilt.aggregate(rebuilt.__class__(data={"refused_requests": {"bad_kv_transfer_params": 4}}))
+    assert stats.count("refused_requests", "bad_kv_transfer_params") == 1, "the payload must not be aliased"
+    assert PushsvcConnector.build_kv_connector_stats().is_empty()
