@@ -68,7 +68,8 @@ class PushService:
             # only hosts the operator listed (loopback when none).
             allowed_host=PeerHostPolicy.build(config.allowed_peer_hosts).allows,
         )
-        outbox = Outbox(self.ranks, metrics)
+        # A worker whose connection broke has its requests' events kept this long for it.
+        self.outbox = outbox = Outbox(self.ranks, metrics, keep_s=max(config.watchdog_s, config.lease_s))
         self.sender = Sender(settings=SendSettings.of(config), outbox=outbox, peers=self.peers, metrics=metrics,
                              tasks=self._tasks, drain=self.drain_notifs, wake=self._wake)
         self.receiver = Receiver(settings=ReceiveSettings.of(config, self.daemon_id), outbox=outbox,
@@ -109,6 +110,7 @@ class PushService:
                     conn=conn)
         self.ranks.current[hello.rank] = rank
         self.metrics.agents.set(len(self.ranks.current))
+        self.outbox.attached(rank)
         return rank, self.describe()
 
     def describe(self) -> wp.Welcome:
@@ -294,6 +296,7 @@ class PushService:
             self._next_expiry = now + _EXPIRY_PERIOD_S
             self.sender.expire(now)
             self.receiver.expire(now)
+            self.outbox.expire(now)
         hot_max = self.config.poll_hot_max_s
         if any(self.sender.hot(r, now, hot_max) or self.receiver.hot(r, now, hot_max) for r in ranks):
             return Pace.HOT
