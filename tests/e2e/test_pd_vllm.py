@@ -260,10 +260,6 @@ def test_client_disconnect_mid_stream_and_abort_before_scheduling(pd: PD, tokeni
     _assert_same_as_colocated(pd, "later-30", generate(pd.proxy.url, pd.req("later-30")))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: vLLM's notify_kv_transfer_request_rejected dummy (sent on every client disconnect or error "
-    "of a do_remote_prefill request) becomes an empty release registration under the body's request_id; "
-    "it matches nothing on P and sits in D's table until the watchdog (counted as watchdog_expired)"))
 def test_client_gone_leaves_no_stale_registration(pd: PD, tokenizer: Any) -> None:
     """A D request dropped while it waits for KV is withdrawn on both daemons at once;
     nothing is left for the watchdog."""
@@ -280,10 +276,6 @@ def test_client_gone_leaves_no_stale_registration(pd: PD, tokenizer: Any) -> Non
     assert _watchdog_expired(pd) == expired_before, "the watchdog had to clean up after a client left"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: when D's serving layer rejects a do_remote_prefill request, vLLM submits a dummy with the "
-    "body's request_id, not the X-Request-Id-derived id P holds the blocks under, so the empty "
-    "release registration cannot match and P keeps the blocks until its lease"))
 def test_d_rejection_releases_p_at_once(pd: PD, tokenizer: Any) -> None:
     """D's serving layer refuses a request P already computed (min_tokens > max_tokens: the
     proxy drops min_tokens from P's leg only): P's blocks are released at once, not at the lease."""

@@ -4,8 +4,8 @@ handles at their steady state, vLLM's KV cache empty, file descriptors back near
 baseline.
 
 One stack serves the module (see conftest), with a shorter lease and watchdog than the
-outputs tests so that the known release-path gaps (see the strict xfails of
-test_pd_vllm.py) are cleaned up in seconds. The figures are printed (``-s``) as
+outputs tests so that whatever only those backstops can reclaim (the prefills a killed D
+will never claim) is cleaned up in seconds. The figures are printed (``-s``) as
 ``FIGURE`` lines.
 """
 

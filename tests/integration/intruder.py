@@ -4,41 +4,20 @@ then sends P notifications no real D would send. Prints one JSON line when done.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 
 import msgspec
+from plain_peer import open_session, stranger_hello
 
 from pushsvc.engine.nixl import NixlEngine
 from pushsvc.protocol import notif
-from pushsvc.protocol import peer as pp
-from pushsvc.protocol.framing import HEADER, PREAMBLE, encode_preamble, frame
-
-
-def _read_frame(sock: socket.socket) -> bytes:
-    def exact(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("closed")
-            buf += chunk
-        return buf
-
-    (length,) = HEADER.unpack(exact(HEADER.size))
-    return exact(length)
 
 
 def main() -> int:
     host, port, victim_engine = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     agent = NixlEngine(["UCX"]).create_agent("intruder/r0/00000000")
-    sock = socket.create_connection((host, port), timeout=10)
-    hello = pp.PeerHello(daemon_id="intruder-daemon", engine_id="intruder", side_channel_host="127.0.0.1",
-                         side_channel_port=1, agents=[])
-    sock.sendall(encode_preamble(pp.MAGIC, pp.MAJOR, pp.MINOR) + frame(pp.encode(hello)))
-    sock.recv(PREAMBLE.size, socket.MSG_WAITALL)
-    theirs = pp.peer_decoder.decode(_read_frame(sock))
+    sock, theirs = open_session(host, port, stranger_hello("intruder"))
     target = agent.add_remote(theirs.agents[0].metadata)
     valid = notif.PushReg(request_id="victim-req", decode_engine_id="decode", decode_host="127.0.0.1",
                           decode_port=1, decode_tp_size=1, local_block_ids=[[0, 1]],

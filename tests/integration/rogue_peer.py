@@ -16,22 +16,16 @@ import argparse
 import ctypes
 import hashlib
 import json
-import socket
 import sys
 import time
 
 import msgspec
+from plain_peer import open_session, stranger_hello
 
 from pushsvc.engine.nixl import NixlEngine
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
-from pushsvc.protocol.framing import HEADER, PREAMBLE, encode_preamble, frame
 from pushsvc.shm import SharedBuffer
-
-
-def _read_frame(sock: socket.socket) -> bytes:
-    (length,) = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
-    return sock.recv(length, socket.MSG_WAITALL)
 
 
 def main() -> int:
@@ -55,14 +49,9 @@ def main() -> int:
         rank=0, tp_size=1, agent_name=agent.name, metadata=agent.metadata(),
         regions=[pp.RegionInfo(base=memory.address + i * region_bytes, block_len=args.block_len,
                                num_blocks=args.blocks) for i in range(n_regions)])
-    sock = socket.create_connection((args.host, args.port), timeout=10)
     # A long heartbeat interval: P expects nothing from us for hours.
-    hello = pp.PeerHello(daemon_id=f"{args.engine_id}-daemon", engine_id=args.engine_id,
-                         side_channel_host="127.0.0.1", side_channel_port=1,
-                         agents=[info] if args.known else [], heartbeat_interval_s=3600)
-    sock.sendall(encode_preamble(pp.MAGIC, pp.MAJOR, pp.MINOR) + frame(pp.encode(hello)))
-    sock.recv(PREAMBLE.size, socket.MSG_WAITALL)
-    theirs = pp.peer_decoder.decode(_read_frame(sock))
+    sock, theirs = open_session(args.host, args.port, stranger_hello(
+        args.engine_id, [info] if args.known else [], heartbeat_interval_s=3600))
     target = agent.add_remote(theirs.agents[0].metadata)
     out = sys.stdout
     out.write(json.dumps({"ok": True, "agent": agent.name}) + "\n")
