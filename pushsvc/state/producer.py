@@ -21,7 +21,8 @@ paired, and the arrival and the candidates it collided with are all refused.
 A registration with no blocks is a **release**: D's request ended before it was
 scheduled (vLLM names its dummy for that by the request body's id, not the one P holds
 the blocks under). With a key it frees every staged P request of its exchange, and those
-that come later; without one it pairs by id like any registration.
+that come later; without one it pairs by id like any registration, and is not kept when
+nothing is staged for it.
 
 **Who owns a registration.** Registrations are keyed by ``(owner, D's request id)``;
 the owner is the D engine the PUSH_REG names, which P checks against the sending agent
@@ -106,7 +107,7 @@ class RegOutcome(Enum):
     STASHED = "stashed"  # kept until P's blocks come
     UNVERIFIED = "unverified"  # kept, but its sender must check out (``confirm``) first
     MATCHED = "matched"  # paired; for a release, with every staged request of its exchange
-    RELEASED = "released"  # a release whose exchange has nothing staged: its key is remembered
+    RELEASED = "released"  # a release that found nothing staged (its key, if any, is remembered)
     DUPLICATE = "duplicate"
     CANCELLED = "cancelled"  # its owner cancelled this id: a PUSH_REG that was still on the way
     FINISHED = "finished"  # the P request it names (its key and base id) already ended
@@ -422,6 +423,10 @@ class ProducerTable:
             return RegResult(RegOutcome.AMBIGUOUS, collided=collided)
         if found is not None:
             return RegResult(RegOutcome.MATCHED, (self._start(self._pop_staged(found.request_id), registration, now),))
+        if registration.release:
+            # Without a key nothing ties a release to P blocks that come later (vLLM's
+            # dummy carries the request body's id): it frees what is staged, or nothing.
+            return RegResult(RegOutcome.RELEASED)
         ended = (registration.match_key, base_request_id(registration.request_id))
         if registration.match_key and ended in self.finished:
             return RegResult(RegOutcome.FINISHED)
