@@ -392,7 +392,10 @@ class Sender:
         """D withdrew a registration. Answer once nothing more can land in its blocks.
         ``ranks`` are this daemon's ranks of that number, the current one first."""
         if not ranks:
+            # No such rank (its worker left and the rank was released): nothing of ours
+            # can write into D's blocks, and D waits for our word, so it gets it.
             self._metrics.malformed.labels("side_channel", "unknown_cancel").inc()
+            self._peers.send(peer, pp.PushCancelled(request_id=msg.request_id, rank=msg.rank))
             return
         # A PUSH_REG already queued in the agent is read first; one still on the wire
         # meets the tombstone ``cancel_registration`` leaves.

@@ -278,16 +278,21 @@ def test_client_gone_leaves_no_stale_registration(pd: PD, tokenizer: Any) -> Non
 
 def test_d_rejection_releases_p_at_once(pd: PD, tokenizer: Any) -> None:
     """D's serving layer refuses a request P already computed (min_tokens > max_tokens: the
-    proxy drops min_tokens from P's leg only): P's blocks are released at once, not at the lease."""
+    proxy drops min_tokens from P's leg only): P's blocks are released at once, not at the lease.
+    The legs go one after the other, as a front that forwards P's returned kv_transfer_params
+    to D does (vllm-router): D's leg carries the match key P minted."""
     idle = _idle_kv(pd)
     rid = _rid("rejected")
     req = completion("rejected", pd.model, text_with_tokens(tokenizer, 500, seed=6003))
     p_out = generate(pd.prefill.url, req.with_body(max_tokens=1, kv_transfer_params=dict(PREFILL_LEG_PARAMS)),
                      request_id=rid)
     assert p_out.ok, str(p_out)
+    returned = p_out.body["kv_transfer_params"]
+    assert returned["transfer_id"], returned  # P minted the exchange's key
     wait_for("prefill daemon's tables", lambda: tables(pd.prefill_daemon.url), lambda t: t["p_staged"] > 0, 10,
              interval=0.05)
-    d_leg = req.with_body(min_tokens=100, kv_transfer_params=remote_prefill_params(pd.prefill_daemon.info))
+    d_leg = req.with_body(min_tokens=100, kv_transfer_params={
+        **remote_prefill_params(pd.prefill_daemon.info), "transfer_id": returned["transfer_id"]})
     d_out = generate(pd.decode.url, d_leg, request_id=rid)
     assert d_out.status == 400, str(d_out)
     try:
@@ -399,7 +404,6 @@ def test_p_killed_d_fails_at_watchdog(pd: PD) -> None:
     # D keeps serving on its own.
     plain = pd.req("later-900")
     _assert_same_as_colocated(pd, plain.name, generate(pd.decode.url, plain))
-    # Both failed D requests leave a release registration that only D's watchdog clears
-    # (see test_client_gone_leaves_no_stale_registration).
+    # Nothing is left on D (the failed requests' releases are not tracked).
     wait_tables_zero({"decode": pd.decode_daemon.url}, WATCHDOG_S + 10)
     wait_kv_usage({"decode": pd.decode.url}, {"decode": idle_d}, SETTLE_S)

@@ -20,7 +20,9 @@ from daemon_fixtures import (
     push_pair,
     wait_until,
 )
+from peer_fixtures import eventually, manager, started
 
+from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
 
 P_ID = "cmpl-a-0-22222222"
@@ -93,6 +95,18 @@ async def test_a_withdrawn_registration_is_freed_at_once_when_p_confirms() -> No
         pair.pw.send(wp.Evict(request_ids=[D_ID]))
         await pair.pw.wait_for(wp.SendFailed, D_ID)
         await assert_tables_empty(pair.p, pair.d)
+
+
+@pytest.mark.asyncio
+async def test_a_withdrawal_naming_a_rank_p_no_longer_has_is_confirmed_at_once() -> None:
+    """P's worker for the rank left and the rank was released (its agent too): nothing of
+    P can write into D's blocks, and P says so instead of leaving D waiting for an answer."""
+    async with push_pair() as pair:
+        d, _, events = manager("decode-2", None)
+        async with started(d):
+            peer = await d.ensure("127.0.0.1", pair.p.service.peers.port, "prefill")
+            d.send(peer, pp.CancelPush(request_id="cmpl-x-0-11111111", rank=5))
+            await eventually(lambda: "push_cancelled" in events.other, "P's confirmation")
 
 
 # ---------------------------------------------------------------- the worker's connection breaks
