@@ -341,7 +341,8 @@ class ProducerTable:
         written (a release): forget it."""
         match = self.writing.pop(request_id, None)
         if match is not None:
-            self._writing_remote.pop(match.registration.key, None)
+            if self._writing_remote.get(match.registration.key) == request_id:  # a release's is not indexed
+                del self._writing_remote[match.registration.key]
             self._end(match.staged, now)
         return match
 

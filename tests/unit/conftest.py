@@ -8,8 +8,12 @@ from typing import Any
 import pytest
 
 from pushsvc.protocol.notif import PushReg
+from pushsvc.state.consumer import ConsumerTable, PendingRecv, Remote
+from pushsvc.state.producer import ProducerTable
 
 MakePushReg = Callable[..., PushReg]
+MakeRemote = Callable[..., Remote]
+SendRecv = Callable[..., PendingRecv]
 
 
 @pytest.fixture
@@ -38,5 +42,51 @@ def _push_reg(request_id: str = "cmpl-abc-0-deadbeef", **overrides: Any) -> Push
 
 @pytest.fixture
 def push_reg() -> MakePushReg:
-    """Factory for a valid ``PushReg``; keyword arguments override single fields."""
+    """Factory for a valid ``PushReg``; keyword arguments override single fields (its
+    owner is ``decode_engine_id``, "decode-engine" unless given; ``match_key`` is unset
+    unless given)."""
     return _push_reg
+
+
+# ---------------------------------------------------------------- the matching tables
+
+
+@pytest.fixture
+def producer() -> ProducerTable:
+    """A P-side table with a 30 s lease and a 10 s registration TTL, default bounds."""
+    return ProducerTable(lease_s=30.0, registration_ttl_s=10.0)
+
+
+def _remote(tp_size: int = 1, engine_id: str = "prefill-0") -> Remote:
+    return Remote(engine_id=engine_id, host="10.0.0.1", port=5600, tp_size=tp_size)
+
+
+@pytest.fixture
+def p_remote() -> MakeRemote:
+    """Factory for the P engine a D registration waits on (TP 1, "prefill-0" unless given)."""
+    return _remote
+
+
+@pytest.fixture
+def consumer(request: pytest.FixtureRequest) -> ConsumerTable:
+    """A D-side table (D TP 1): 60 s watchdog, 5 s cancel grace, 5 s digest wait. Verify
+    mode is off unless the test parametrizes this fixture indirectly with ``True``
+    (``@pytest.mark.parametrize("consumer", [True], indirect=True)``)."""
+    verify = getattr(request, "param", False)
+    return ConsumerTable(watchdog_s=60.0, cancel_grace_s=5.0, digest_wait_s=5.0, verify=verify)
+
+
+@pytest.fixture
+def sent_recv(consumer: ConsumerTable) -> SendRecv:
+    """Factory: track a registration on ``consumer`` and mark its PUSH_REG delivered to a
+    P incarnation (``p-daemon-0``) and agent (``p-agent-0`` unless given)."""
+
+    def make(request_id: str, block_ids: list[list[int]] | None = None, *, now: float = 0.0, tp_size: int = 1,
+             p_daemon: str = "p-daemon-0", p_agent: str = "p-agent-0", match_key: str = "") -> PendingRecv:
+        entry = consumer.add(request_id, [[1]] if block_ids is None else block_ids, _remote(tp_size), now,
+                             match_key=match_key)
+        assert entry is not None, f"{request_id} is tracked already"
+        assert consumer.mark_sent(request_id, p_daemon, p_agent)
+        return entry
+
+    return make

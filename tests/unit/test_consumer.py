@@ -1,4 +1,5 @@
-"""ConsumerTable: D-side registrations, completion counting, failure and the watchdog."""
+"""ConsumerTable: D-side registrations, delivery to P, completion counting (only from the
+agent the PUSH_REG went to), the verify flow, block holders and the views."""
 
 from __future__ import annotations
 
@@ -6,336 +7,367 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pushsvc.state.consumer import PEER_LOST, CompletionOutcome, ConsumerTable, PendingRecv, RecvState, Remote
+from pushsvc.state.consumer import (
+    CANCELLED,
+    CompletionOutcome,
+    ConsumerTable,
+    EvictOutcome,
+    ExpiryAction,
+    PendingRecv,
+    RecvExpiry,
+    RecvState,
+    Remote,
+)
 
 WATCHDOG = 60.0
-
-
-def remote(tp_size: int = 1, engine_id: str = "prefill-0") -> Remote:
-    return Remote(engine_id=engine_id, host="10.0.0.1", port=5600, tp_size=tp_size)
-
-
-@pytest.fixture
-def table() -> ConsumerTable:
-    return ConsumerTable(watchdog_s=WATCHDOG)
+DIGEST_WAIT = 5.0
+P_DAEMON, P_AGENT = "p-daemon-0", "p-agent-0"  # where ``sent_recv`` delivers
+LIVE = frozenset({P_DAEMON})
+VERIFYING = pytest.mark.parametrize("consumer", [True], indirect=True, ids=["verify"])  # a table in verify mode
 
 
 # ---------------------------------------------------------------- add
 
 
-def test_add_tracks_a_pending_registration(table) -> None:
-    r = remote()
-    entry = table.add("req-1", [[1, 2], [7]], r, now=10.0)
+def test_add_tracks_a_pending_registration(consumer, p_remote) -> None:
+    r = p_remote()
+    entry = consumer.add("req-1", [[1, 2], [7]], r, now=10.0, match_key="k1")
     assert isinstance(entry, PendingRecv)
-    assert entry.request_id == "req-1"
-    assert entry.block_ids == [[1, 2], [7]]
+    assert (entry.request_id, entry.block_ids, entry.remote, entry.match_key) == ("req-1", [[1, 2], [7]], r, "k1")
     assert entry.remote is r
-    assert entry.deadline == 10.0 + WATCHDOG
-    assert entry.expected == 1
-    assert entry.seen == 0
-    assert entry.state is RecvState.PENDING
-    assert table.pending == {"req-1": entry}
-    assert table.sizes() == {"d_pending": 1}
+    assert (entry.registered_at, entry.deadline) == (10.0, 10.0 + WATCHDOG)
+    assert (entry.expected, entry.seen, entry.state) == (1, 0, RecvState.PENDING)
+    assert (entry.p_daemon, entry.p_agent, entry.reason) == ("", "", CANCELLED)
+    assert (entry.announced_at, entry.digests, entry.held) == (None, None, False)
+    assert consumer.pending == {"req-1": entry}
+    assert consumer.sizes() == {"d_pending": 1}
+    assert consumer.add("req-2", [[3]], r, now=10.0).match_key == ""
 
 
-def test_add_is_idempotent(table) -> None:
-    first = table.add("req-1", [[1]], remote(), now=0.0)
-    assert table.add("req-1", [[2]], remote(tp_size=4), now=5.0) is None
-    assert table.pending == {"req-1": first}
-    assert first.block_ids == [[1]]
+def test_add_is_idempotent(consumer, p_remote) -> None:
+    first = consumer.add("req-1", [[1]], p_remote(), now=0.0)
+    assert consumer.add("req-1", [[2]], p_remote(tp_size=4), now=5.0, match_key="k1") is None
+    assert consumer.pending == {"req-1": first}
+    assert first is not None and first.block_ids == [[1]]
     assert first.deadline == WATCHDOG  # not re-armed
-    assert first.expected == 1
+    assert (first.expected, first.match_key) == (1, "")
 
 
 @pytest.mark.parametrize(
     ("remote_tp", "local_tp", "expected"),
     [(1, 1, 1), (2, 1, 2), (4, 1, 4), (4, 2, 2), (8, 2, 4), (8, 8, 1), (2, 4, 1), (1, 8, 1), (4, 0, 4)],
 )
-def test_expected_completions_are_p_ranks_per_d_rank(remote_tp: int, local_tp: int, expected: int) -> None:
+def test_expected_completions_are_p_ranks_per_d_rank(p_remote, remote_tp: int, local_tp: int, expected: int) -> None:
     table = ConsumerTable(watchdog_s=1.0, local_tp_size=local_tp)
-    entry = table.add("r", [[0]], remote(tp_size=remote_tp), now=0.0)
+    entry = table.add("r", [[0]], p_remote(tp_size=remote_tp), now=0.0)
     assert entry is not None and entry.expected == expected
 
 
-def test_flat_block_ids_concatenates_groups_in_order() -> None:
-    table = ConsumerTable(watchdog_s=1.0)
-    entry = table.add("r", [[3, 1], [], [9, 8]], remote(), now=0.0)
+def test_flat_block_ids_concatenates_groups_in_order(consumer, p_remote) -> None:
+    entry = consumer.add("r", [[3, 1], [], [9, 8]], p_remote(), now=0.0)
     assert entry is not None and entry.flat_block_ids == [3, 1, 9, 8]
 
 
-# ---------------------------------------------------------------- mark_sent / completions
+# ---------------------------------------------------------------- delivery to P
 
 
-def test_mark_sent(table) -> None:
-    entry = table.add("r", [[1]], remote(), now=0.0)
-    assert not table.busy
-    assert table.mark_sent("r") is True
-    assert entry.state is RecvState.SENT
-    assert table.busy
-    assert table.mark_sent("r") is False  # only a PENDING entry can be sent
-    assert entry.state is RecvState.SENT
+def test_mark_sent_records_the_p_incarnation_and_its_agent(consumer, p_remote) -> None:
+    entry = consumer.add("r", [[1]], p_remote(), now=0.0)
+    assert not consumer.busy and not consumer.unsettled
+    assert consumer.mark_sent("r", P_DAEMON, P_AGENT) is True
+    assert (entry.state, entry.p_daemon, entry.p_agent) == (RecvState.SENT, P_DAEMON, P_AGENT)
+    assert consumer.busy and consumer.unsettled
+    assert consumer.mark_sent("r", "p-daemon-1", "p-agent-1") is False  # only a PENDING entry can be sent
+    assert (entry.state, entry.p_daemon, entry.p_agent) == (RecvState.SENT, P_DAEMON, P_AGENT)
 
 
-def test_mark_sent_unknown_request(table) -> None:
-    assert table.mark_sent("nope") is False
-    assert table.pending == {}
+def test_mark_sent_unknown_request(consumer) -> None:
+    assert consumer.mark_sent("nope", P_DAEMON, P_AGENT) is False
+    assert consumer.pending == {}
 
 
-def test_single_completion_finishes_a_tp1_request(table) -> None:
-    entry = table.add("r", [[1]], remote(), now=0.0)
-    table.mark_sent("r")
-    assert table.on_completion("r") == (CompletionOutcome.DONE, entry)
+def test_sent_by_names_an_entry_only_for_the_p_incarnation_it_went_to(consumer, p_remote, sent_recv) -> None:
+    consumer.add("pending", [[1]], p_remote(), now=0.0)
+    entry = sent_recv("sent", [[2]])
+    assert consumer.sent_by("sent", P_DAEMON) is entry
+    assert consumer.sent_by("sent", "p-daemon-1") is None
+    assert consumer.sent_by("pending", "") is None  # not sent: no P incarnation may speak for it
+    assert consumer.sent_by("unknown", P_DAEMON) is None
+
+
+# ---------------------------------------------------------------- completions
+
+
+def test_single_completion_finishes_a_tp1_request(consumer, sent_recv) -> None:
+    entry = sent_recv("r")
+    assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.DONE, entry)
     assert entry.seen == 1
-    assert table.pending == {}
-    assert not table.busy
+    assert consumer.pending == {}
+    assert not consumer.busy and not consumer.unsettled
 
 
-def test_completion_counting_until_every_p_rank_reported() -> None:
-    table = ConsumerTable(watchdog_s=WATCHDOG, local_tp_size=1)
-    entry = table.add("r", [[1]], remote(tp_size=4), now=0.0)
-    table.mark_sent("r")
+def test_completion_counting_until_every_p_rank_reported(consumer, sent_recv) -> None:
+    entry = sent_recv("r", tp_size=4)
     for seen in (1, 2, 3):
-        assert table.on_completion("r") == (CompletionOutcome.PARTIAL, entry)
+        assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.PARTIAL, entry)
         assert entry.seen == seen
-        assert "r" in table.pending
-    assert table.on_completion("r") == (CompletionOutcome.DONE, entry)
+        assert "r" in consumer.pending
+    assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.DONE, entry)
     assert entry.seen == 4
-    assert "r" not in table.pending
+    assert "r" not in consumer.pending
 
 
-def test_completion_after_done_is_unknown(table) -> None:
-    table.add("r", [[1]], remote(), now=0.0)
-    table.mark_sent("r")
-    table.on_completion("r")
-    assert table.on_completion("r") == (CompletionOutcome.UNKNOWN, None)
+def test_completion_after_done_is_unknown(consumer, sent_recv) -> None:
+    sent_recv("r")
+    consumer.on_completion("r", P_AGENT, now=1.0)
+    assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.UNKNOWN, None)
 
 
-def test_completion_for_foreign_request_is_unknown(table) -> None:
-    table.add("r", [[1]], remote(), now=0.0)
-    table.mark_sent("r")
-    assert table.on_completion("other") == (CompletionOutcome.UNKNOWN, None)
-    assert table.pending["r"].seen == 0
-
-
-def test_completion_before_registration_was_sent_is_not_counted(table) -> None:
-    entry = table.add("r", [[1]], remote(), now=0.0)
-    assert table.on_completion("r") == (CompletionOutcome.UNKNOWN, None)
+def test_completion_for_another_request_is_unknown(consumer, sent_recv) -> None:
+    entry = sent_recv("r")
+    assert consumer.on_completion("other", P_AGENT, now=1.0) == (CompletionOutcome.UNKNOWN, None)
     assert entry.seen == 0
-    assert table.pending == {"r": entry}
 
 
-def test_completions_of_different_requests_are_counted_apart() -> None:
-    table = ConsumerTable(watchdog_s=WATCHDOG)
-    a = table.add("a", [[1]], remote(tp_size=2), now=0.0)
-    b = table.add("b", [[2]], remote(tp_size=2), now=0.0)
-    table.mark_sent("a")
-    table.mark_sent("b")
-    assert table.on_completion("a")[0] is CompletionOutcome.PARTIAL
-    assert table.on_completion("b")[0] is CompletionOutcome.PARTIAL
+@pytest.mark.parametrize("sender", ["p-agent-1", "", "intruder"])
+def test_completion_from_another_agent_than_the_push_regs_is_not_counted(consumer, sent_recv, sender: str) -> None:
+    entry = sent_recv("r", tp_size=2)
+    assert consumer.on_completion("r", sender, now=1.0) == (CompletionOutcome.UNKNOWN, None)
+    assert entry.seen == 0
+    assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.PARTIAL, entry)
+    assert consumer.on_completion("r", sender, now=1.0) == (CompletionOutcome.UNKNOWN, None)
+    assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.DONE, entry)
+
+
+def test_completion_before_registration_was_sent_is_not_counted(consumer, p_remote) -> None:
+    entry = consumer.add("r", [[1]], p_remote(), now=0.0)
+    assert consumer.on_completion("r", "", now=1.0) == (CompletionOutcome.UNKNOWN, None)
+    assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.UNKNOWN, None)
+    assert entry is not None and entry.seen == 0
+    assert consumer.pending == {"r": entry}
+
+
+def test_completions_of_different_requests_are_counted_apart(consumer, sent_recv) -> None:
+    a = sent_recv("a", [[1]], tp_size=2)
+    b = sent_recv("b", [[2]], tp_size=2)
+    assert consumer.on_completion("a", P_AGENT, now=1.0)[0] is CompletionOutcome.PARTIAL
+    assert consumer.on_completion("b", P_AGENT, now=1.0)[0] is CompletionOutcome.PARTIAL
     assert (a.seen, b.seen) == (1, 1)
-    assert table.on_completion("a") == (CompletionOutcome.DONE, a)
-    assert set(table.pending) == {"b"}
+    assert consumer.on_completion("a", P_AGENT, now=1.0) == (CompletionOutcome.DONE, a)
+    assert set(consumer.pending) == {"b"}
 
 
-def test_request_can_be_registered_again_after_done(table) -> None:
-    table.add("r", [[1]], remote(), now=0.0)
-    table.mark_sent("r")
-    table.on_completion("r")
-    again = table.add("r", [[5]], remote(), now=100.0)
+def test_request_can_be_registered_again_after_done(consumer, p_remote, sent_recv) -> None:
+    sent_recv("r")
+    consumer.on_completion("r", P_AGENT, now=1.0)
+    again = consumer.add("r", [[5]], p_remote(), now=100.0)
     assert again is not None
-    assert again.state is RecvState.PENDING and again.seen == 0
+    assert (again.state, again.seen, again.p_agent) == (RecvState.PENDING, 0, "")
     assert again.deadline == 100.0 + WATCHDOG
 
 
-# ---------------------------------------------------------------- fail / evict
-
-
 @pytest.mark.parametrize("sent", [False, True])
-def test_fail_removes_and_returns_entry(table, sent: bool) -> None:
-    entry = table.add("r", [[1, 2]], remote(), now=0.0)
+def test_fail_removes_and_returns_entry(consumer, p_remote, sent: bool) -> None:
+    entry = consumer.add("r", [[1, 2]], p_remote(), now=0.0)
     if sent:
-        table.mark_sent("r")
-    assert table.fail("r") is entry
-    assert table.pending == {}
-    assert table.fail("r") is None
+        consumer.mark_sent("r", P_DAEMON, P_AGENT)
+    assert consumer.fail("r") is entry
+    assert consumer.pending == {}
+    assert consumer.fail("r") is None
     # A completion that arrives after the failure is late and ignored.
-    assert table.on_completion("r") == (CompletionOutcome.UNKNOWN, None)
+    assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.UNKNOWN, None)
 
 
-def test_fail_after_partial_completion() -> None:
-    t = ConsumerTable(watchdog_s=WATCHDOG)
-    entry = t.add("r", [[1]], remote(tp_size=2), now=0.0)
-    t.mark_sent("r")
-    t.on_completion("r")
-    assert t.fail("r") is entry
-    assert t.on_completion("r") == (CompletionOutcome.UNKNOWN, None)
+def test_fail_after_partial_completion(consumer, sent_recv) -> None:
+    entry = sent_recv("r", tp_size=2)
+    consumer.on_completion("r", P_AGENT, now=1.0)
+    assert consumer.fail("r") is entry
+    assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.UNKNOWN, None)
 
 
-def test_evict_pending_removes_at_once(table) -> None:
-    r = table.add("r", [[1]], remote(), now=0.0)
-    table.add("s", [[2]], remote(), now=0.0)
-    assert table.evict("r") is r
-    assert r.state is RecvState.PENDING  # P never saw it: the blocks are free now
-    assert table.evict("r") is None
-    assert table.evict("unknown") is None
-    assert set(table.pending) == {"s"}
+# ---------------------------------------------------------------- verify
 
 
-def test_evict_sent_waits_for_p(table) -> None:
-    r = table.add("r", [[1]], remote(), now=0.0)
-    table.mark_sent("r")
-    assert table.evict("r") is r
-    assert r.state is RecvState.CANCELLING
-    assert "r" in table.pending  # P may still be writing into the blocks
-    assert table.busy
-    assert table.evict("r") is None  # already cancelling
-    assert table.mark_sent("r") is False
-    assert table.fail("r") is r  # P confirmed
-    assert table.pending == {}
+def test_verify_mode_is_a_table_setting(consumer) -> None:
+    assert consumer.verify is False
+    assert ConsumerTable(watchdog_s=1.0, verify=True).verify is True
 
 
-def test_completion_of_a_cancelling_registration_finishes_it(table) -> None:
-    r = table.add("r", [[1]], remote(), now=0.0)
-    table.mark_sent("r")
-    table.evict("r")
-    assert table.on_completion("r") == (CompletionOutcome.CANCELLED, r)
-    assert table.pending == {}
+@VERIFYING
+def test_verify_with_the_digests_announced_first(consumer, sent_recv) -> None:
+    entry = sent_recv("r")
+    assert consumer.announce("r", P_DAEMON, b"digests", now=1.0) is None
+    assert (entry.digests, entry.announced_at, entry.state) == (b"digests", 1.0, RecvState.SENT)
+    assert consumer.on_completion("r", P_AGENT, now=2.0) == (CompletionOutcome.VERIFY, entry)
+    assert consumer.pending == {}
 
 
-def test_watchdog_expires_cancelling_entries(table) -> None:
-    r = table.add("r", [[1]], remote(), now=0.0)
-    table.mark_sent("r")
-    table.evict("r")
-    assert table.expire(WATCHDOG) == [r]
+def test_without_verify_the_digests_are_not_kept(consumer, sent_recv) -> None:
+    entry = sent_recv("r")
+    assert consumer.announce("r", P_DAEMON, b"digests", now=1.0) is None
+    assert (entry.digests, entry.announced_at) == (None, 1.0)
+    assert consumer.on_completion("r", P_AGENT, now=2.0) == (CompletionOutcome.DONE, entry)
 
 
-# ---------------------------------------------------------------- P lost
+@VERIFYING
+def test_a_completion_before_the_digests_waits_for_them(consumer, sent_recv) -> None:
+    entry = sent_recv("r", [[1, 2]])
+    assert consumer.on_completion("r", P_AGENT, now=3.0) == (CompletionOutcome.AWAIT_DIGESTS, entry)
+    assert (entry.state, entry.deadline) == (RecvState.LANDED, 3.0 + DIGEST_WAIT)
+    assert consumer.holder([[2]]) == (2, "r"), "the blocks stay held until they are checked"
+    assert consumer.busy and not consumer.unsettled  # every WRITE landed: P writes nothing more
+    assert consumer.on_completion("r", P_AGENT, now=3.5) == (CompletionOutcome.UNKNOWN, None)
+    assert entry.seen == 1
+    assert consumer.announce("r", "p-daemon-1", b"forged", now=4.0) is None
+    assert entry.digests is None and consumer.pending == {"r": entry}
+
+    assert consumer.announce("r", P_DAEMON, b"digests", now=4.0) is entry
+
+    assert entry.digests == b"digests"
+    assert consumer.pending == {} and consumer.holder([[1, 2]]) is None
 
 
-def test_orphan_holds_a_sent_registration_until_its_grace(table) -> None:
-    r = table.add("r", [[1, 2]], remote(), now=0.0)
-    table.mark_sent("r")
-    assert table.orphan("r", now=10.0) is r
-    assert (r.state, r.reason, r.deadline) == (RecvState.CANCELLING, PEER_LOST, 10.0 + table.cancel_grace_s)
-    assert table.holder([[2]]) == (2, "r"), "a WRITE may still land: the blocks stay held"
-    assert table.expire(10.0 + table.cancel_grace_s - 0.001) == []
-    assert table.expire(10.0 + table.cancel_grace_s) == [r]
-    assert table.pending == {} and table.holder([[1, 2]]) is None
+@VERIFYING
+def test_landed_registration_fails_when_its_digests_never_come(consumer, sent_recv) -> None:
+    entry = sent_recv("r")
+    consumer.on_completion("r", P_AGENT, now=3.0)
+    assert consumer.expire(3.0 + DIGEST_WAIT - 0.001, LIVE) == []
+    assert consumer.expire(3.0 + DIGEST_WAIT, LIVE) == [
+        RecvExpiry(entry, ExpiryAction.FAIL, "verify", "verify: P's digests never arrived")]
+    assert consumer.pending == {}
 
 
-def test_completion_of_an_orphaned_registration_is_done(table) -> None:
-    # Every byte landed before (or after) P went away: the request succeeded.
-    r = table.add("r", [[1]], remote(), now=0.0)
-    table.mark_sent("r")
-    table.orphan("r", now=1.0)
-    assert table.on_completion("r") == (CompletionOutcome.DONE, r)
+@VERIFYING
+def test_verify_waits_for_every_p_rank(consumer, sent_recv) -> None:
+    entry = sent_recv("r", tp_size=2)
+    assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.PARTIAL, entry)
+    assert entry.state is RecvState.SENT
+    assert consumer.on_completion("r", P_AGENT, now=2.0)[0] is CompletionOutcome.AWAIT_DIGESTS
 
 
-def test_orphan_keeps_a_worker_cancellation_cancelled(table) -> None:
-    r = table.add("r", [[1]], remote(), now=0.0)
-    table.mark_sent("r")
-    table.evict("r", now=1.0)
-    assert table.orphan("r", now=2.0) is r
-    assert r.reason == "cancelled"
-    assert table.on_completion("r") == (CompletionOutcome.CANCELLED, r)
+@VERIFYING
+def test_announce_for_an_entry_not_sent_to_that_p_is_ignored(consumer, p_remote) -> None:
+    entry = consumer.add("r", [[1]], p_remote(), now=0.0)
+    assert consumer.announce("r", P_DAEMON, b"d", now=1.0) is None
+    assert consumer.announce("r", "", b"d", now=1.0) is None
+    assert consumer.announce("unknown", P_DAEMON, b"d", now=1.0) is None
+    assert entry is not None and (entry.digests, entry.announced_at) == (None, None)
 
 
-def test_orphan_ignores_pending_and_unknown(table) -> None:
-    table.add("r", [[1]], remote(), now=0.0)
-    assert table.orphan("r", now=1.0) is None  # P never saw it: the handshake task decides
-    assert table.orphan("nope", now=1.0) is None
+@VERIFYING
+def test_a_landed_registration_is_final_when_evicted(consumer, sent_recv) -> None:
+    entry = sent_recv("r", [[4]])
+    consumer.on_completion("r", P_AGENT, now=1.0)
+    assert consumer.evict("r", now=2.0, peer_alive=True) == (EvictOutcome.FINAL, entry)
+    assert consumer.pending == {} and consumer.holder([[4]]) is None
 
 
-def test_orphan_never_extends_a_deadline(table) -> None:
-    r = table.add("r", [[1]], remote(), now=0.0)
-    table.mark_sent("r")
-    table.orphan("r", now=WATCHDOG - 1.0)
-    assert r.deadline == WATCHDOG
+# ---------------------------------------------------------------- block holders
 
 
-# ---------------------------------------------------------------- watchdog
+def test_holder_names_the_live_registration_that_holds_a_block(consumer, p_remote) -> None:
+    consumer.add("a", [[1, 2], [7]], p_remote(), now=0.0)
+    assert consumer.tracks("a") and not consumer.tracks("b")
+    assert consumer.holder([[3, 2]]) == (2, "a")
+    assert consumer.holder([[], [7]]) == (7, "a")
+    assert consumer.holder([[7]]) is None  # block 7 of group 0 is not group 1's block 7
+    assert consumer.holder([[3, 4]]) is None
 
 
-def test_watchdog_expires_at_exactly_the_deadline(table) -> None:
-    entry = table.add("r", [[1]], remote(), now=5.0)
-    assert table.next_deadline() == 5.0 + WATCHDOG
-    assert table.expire(5.0 + WATCHDOG - 0.001) == []
-    assert table.expire(5.0 + WATCHDOG) == [entry]
-    assert table.pending == {}
-    assert table.next_deadline() is None
-    assert table.expire(1e9) == []
+@pytest.mark.parametrize("ending", ["done", "fail", "evict_pending", "expire_pending", "verified", "digests_late"])
+def test_a_final_registration_releases_its_blocks(p_remote, ending: str) -> None:
+    table = ConsumerTable(watchdog_s=WATCHDOG, verify=ending in ("verified", "digests_late"))
+    table.add("a", [[1, 2]], p_remote(), now=0.0)
+    if ending == "fail":
+        table.fail("a")
+    elif ending == "evict_pending":
+        table.evict("a", now=1.0, peer_alive=True)
+    elif ending == "expire_pending":
+        table.expire(WATCHDOG + 1, LIVE)
+    else:
+        table.mark_sent("a", P_DAEMON, P_AGENT)
+        if ending == "verified":
+            table.announce("a", P_DAEMON, b"d", now=0.5)
+        table.on_completion("a", P_AGENT, now=1.0)
+        if ending == "digests_late":
+            table.announce("a", P_DAEMON, b"d", now=1.5)
+    assert table.holder([[1, 2]]) is None and not table.tracks("a")
 
 
-@pytest.mark.parametrize("sent", [False, True])
-def test_watchdog_reports_pending_and_sent_but_keeps_sent_until_p_confirms(table, sent: bool) -> None:
-    entry = table.add("r", [[1]], remote(), now=0.0)
-    if sent:
-        table.mark_sent("r")
-    assert table.expire(WATCHDOG) == [entry]
-    if sent:
-        # P may be writing into the blocks: the entry waits, cancelling, for P.
-        assert entry.state is RecvState.CANCELLING and entry.reason == "watchdog"
-        assert table.pending == {"r": entry}
-        assert entry.deadline == WATCHDOG + table.cancel_grace_s
-        assert table.expire(entry.deadline) == [entry]  # P never answered: final
-    assert table.pending == {}
+def test_a_duplicate_add_does_not_take_over_blocks(consumer, p_remote) -> None:
+    consumer.add("a", [[1]], p_remote(), now=0.0)
+    assert consumer.add("a", [[5]], p_remote(), now=0.0) is None
+    assert consumer.holder([[5]]) is None
+    consumer.fail("a")
+    assert consumer.holder([[1]]) is None
 
 
-def test_watchdog_expires_only_overdue_entries() -> None:
-    table = ConsumerTable(watchdog_s=10.0)
-    a = table.add("a", [[1]], remote(), now=0.0)  # 10
-    b = table.add("b", [[2]], remote(tp_size=2), now=5.0)  # 15
-    c = table.add("c", [[3]], remote(), now=20.0)  # 30
-    table.mark_sent("b")
-    table.on_completion("b")  # partial: still overdue later
-    gone = table.expire(15.0)
-    assert sorted(gone, key=lambda e: e.request_id) == [a, b]
-    assert table.pending == {"b": b, "c": c}  # b is cancelling: P must confirm
-    assert b.state is RecvState.CANCELLING
-    assert table.on_completion("b") == (CompletionOutcome.CANCELLED, b)  # its last WRITE landed
-    assert table.pending == {"c": c}
-    assert table.next_deadline() == 30.0
+def test_a_block_keeps_its_first_holder(consumer, p_remote) -> None:
+    # The daemon refuses such a registration; the table never lets it take a held block.
+    consumer.add("a", [[1]], p_remote(), now=0.0)
+    consumer.add("b", [[1, 2]], p_remote(), now=0.0)
+    assert (consumer.holder([[1]]), consumer.holder([[2]])) == ((1, "a"), (2, "b"))
+    consumer.fail("b")
+    assert consumer.holder([[1]]) == (1, "a")
 
 
 # ---------------------------------------------------------------- views
 
 
-def test_waiting_on_filters_by_remote_engine(table) -> None:
-    a = table.add("a", [[1]], remote(engine_id="p0"), now=0.0)
-    table.add("b", [[2]], remote(engine_id="p1"), now=0.0)
-    c = table.add("c", [[3]], remote(engine_id="p0"), now=0.0)
-    table.mark_sent("c")
-    assert table.waiting_on("p0") == [a, c]
-    assert [e.request_id for e in table.waiting_on("p1")] == ["b"]
-    assert table.waiting_on("p2") == []
+def test_waiting_on_filters_by_remote_engine(consumer, p_remote) -> None:
+    a = consumer.add("a", [[1]], p_remote(engine_id="p0"), now=0.0)
+    consumer.add("b", [[2]], p_remote(engine_id="p1"), now=0.0)
+    c = consumer.add("c", [[3]], p_remote(engine_id="p0"), now=0.0)
+    consumer.mark_sent("c", P_DAEMON, P_AGENT)
+    assert consumer.waiting_on("p0") == [a, c]
+    assert [e.request_id for e in consumer.waiting_on("p1")] == ["b"]
+    assert consumer.waiting_on("p2") == []
 
 
-def test_next_deadline_is_earliest(table) -> None:
-    assert table.next_deadline() is None
-    table.add("late", [[1]], remote(), now=50.0)
-    table.add("early", [[2]], remote(), now=10.0)
-    assert table.next_deadline() == 10.0 + WATCHDOG
-    table.evict("early")
-    assert table.next_deadline() == 50.0 + WATCHDOG
+def test_sent_to_filters_by_p_incarnation(consumer, p_remote, sent_recv) -> None:
+    a = sent_recv("a", [[1]])
+    b = sent_recv("b", [[2]], p_daemon="p-daemon-1", p_agent="p-agent-1")
+    consumer.add("c", [[3]], p_remote(), now=0.0)
+    assert (consumer.sent_to(P_DAEMON), consumer.sent_to("p-daemon-1")) == ([a], [b])
+    assert consumer.sent_to("prefill-0") == []  # a daemon id, not an engine id
 
 
-def test_busy_only_while_a_registration_is_out(table) -> None:
-    assert not table.busy
-    table.add("a", [[1]], remote(), now=0.0)
-    table.add("b", [[1]], remote(), now=0.0)
-    assert not table.busy  # nothing to poll for until P knows about it
-    table.mark_sent("b")
-    assert table.busy
-    table.fail("b")
-    assert not table.busy
+def test_busy_only_while_a_registration_is_out(consumer, p_remote) -> None:
+    assert not consumer.busy
+    consumer.add("a", [[1]], p_remote(), now=0.0)
+    consumer.add("b", [[2]], p_remote(), now=0.0)
+    assert not consumer.busy  # nothing to poll for until P knows about it
+    consumer.mark_sent("b", P_DAEMON, P_AGENT)
+    assert consumer.busy
+    consumer.fail("b")
+    assert not consumer.busy
 
 
-def test_sizes_and_repr(table) -> None:
-    assert table.sizes() == {"d_pending": 0}
-    table.add("a", [[1]], remote(), now=0.0)
-    table.add("b", [[1]], remote(), now=0.0)
-    assert table.sizes() == {"d_pending": 2}
-    assert repr(table) == "<ConsumerTable pending=2>"
+def test_unsettled_while_p_may_still_write(consumer, sent_recv) -> None:
+    sent_recv("a")
+    assert consumer.unsettled
+    consumer.evict("a", now=1.0, peer_alive=True)
+    assert consumer.unsettled  # CANCELLING: P has not answered
+    consumer.fail("a")
+    assert not consumer.unsettled
+
+
+def test_hot_for_a_while_after_p_announced_a_write(consumer, sent_recv) -> None:
+    sent_recv("a")
+    assert not consumer.hot(now=0.0, hot_max_s=2.0)
+    consumer.announce("a", P_DAEMON, b"", now=10.0)
+    assert consumer.hot(now=11.999, hot_max_s=2.0)
+    assert not consumer.hot(now=12.0, hot_max_s=2.0)
+    consumer.on_completion("a", P_AGENT, now=11.0)
+    assert not consumer.hot(now=11.0, hot_max_s=2.0)
+
+
+def test_sizes_and_repr(consumer, p_remote) -> None:
+    assert consumer.sizes() == {"d_pending": 0}
+    consumer.add("a", [[1]], p_remote(), now=0.0)
+    consumer.add("b", [[2]], p_remote(), now=0.0)
+    assert consumer.sizes() == {"d_pending": 2}
+    assert repr(consumer) == "<ConsumerTable pending=2>"
 
 
 # ---------------------------------------------------------------- property: counting
@@ -346,62 +378,22 @@ def test_sizes_and_repr(table) -> None:
     remote_tp=st.sampled_from([1, 2, 4, 8, 16]),
     local_tp=st.sampled_from([1, 2, 4, 8]),
     extra=st.integers(0, 3),
+    foreign=st.lists(st.integers(0, 20), max_size=4),
 )
-def test_done_exactly_once_after_expected_completions(remote_tp: int, local_tp: int, extra: int) -> None:
+def test_done_exactly_once_after_expected_completions(remote_tp: int, local_tp: int, extra: int,
+                                                      foreign: list[int]) -> None:
     table = ConsumerTable(watchdog_s=1.0, local_tp_size=local_tp)
-    entry = table.add("r", [[0]], remote(tp_size=remote_tp), now=0.0)
+    entry = table.add("r", [[0]], Remote("p", "10.0.0.1", 5600, remote_tp), now=0.0)
     assert entry is not None
-    table.mark_sent("r")
-    outcomes = [table.on_completion("r")[0] for _ in range(entry.expected + extra)]
+    table.mark_sent("r", P_DAEMON, P_AGENT)
+    outcomes = []
+    for i in range(entry.expected + extra):
+        # Completions from other agents, anywhere in between, change nothing.
+        for _ in range(foreign.count(i)):
+            assert table.on_completion("r", "p-agent-x", now=0.0) == (CompletionOutcome.UNKNOWN, None)
+        outcomes.append(table.on_completion("r", P_AGENT, now=0.0)[0])
     assert outcomes.count(CompletionOutcome.DONE) == 1
     assert outcomes.index(CompletionOutcome.DONE) == entry.expected - 1
     assert outcomes[: entry.expected - 1] == [CompletionOutcome.PARTIAL] * (entry.expected - 1)
     assert outcomes[entry.expected :] == [CompletionOutcome.UNKNOWN] * extra
     assert entry.expected == max(1, remote_tp // local_tp)
-
-
-# ---------------------------------------------------------------- block holders
-
-
-def test_holder_names_the_live_registration_that_holds_a_block(table) -> None:
-    table.add("a", [[1, 2], [7]], remote(), now=0.0)
-    assert table.tracks("a") and not table.tracks("b")
-    assert table.holder([[3, 2]]) == (2, "a")
-    assert table.holder([[], [7]]) == (7, "a")
-    assert table.holder([[7]]) is None  # block 7 of group 0 is not group 1's block 7
-    assert table.holder([[3, 4]]) is None
-
-
-@pytest.mark.parametrize("ending", ["done", "fail", "evict_pending", "expire_pending"])
-def test_a_final_registration_releases_its_blocks(table, ending: str) -> None:
-    table.add("a", [[1, 2]], remote(), now=0.0)
-    if ending == "done":
-        table.mark_sent("a")
-        table.on_completion("a")
-    elif ending == "fail":
-        table.fail("a")
-    elif ending == "evict_pending":
-        table.evict("a")
-    else:
-        table.expire(WATCHDOG + 1)
-    assert table.holder([[1, 2]]) is None and not table.tracks("a")
-
-
-def test_a_cancelling_registration_keeps_its_blocks_until_final(table) -> None:
-    # P may still write into them: a new registration naming them must be refused.
-    table.add("a", [[1, 2]], remote(), now=0.0)
-    table.mark_sent("a")
-    table.evict("a", now=1.0)
-    assert table.holder([[2]]) == (2, "a")
-    table.expire(1.0 + table.cancel_grace_s / 2)  # P still has time to confirm
-    assert table.holder([[2]]) == (2, "a")
-    assert table.on_completion("a")[0] is CompletionOutcome.CANCELLED
-    assert table.holder([[2]]) is None
-
-
-def test_a_duplicate_add_does_not_take_over_blocks(table) -> None:
-    table.add("a", [[1]], remote(), now=0.0)
-    assert table.add("a", [[5]], remote(), now=0.0) is None
-    assert table.holder([[5]]) is None
-    table.fail("a")
-    assert table.holder([[1]]) is None
