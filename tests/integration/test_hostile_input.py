@@ -210,3 +210,34 @@ def test_deep_nesting_and_unknown_fields_are_refused_and_counted(spawn):
     assert _malformed(D, "side_channel", "decode") == 1
     w = spawn.worker(D, "consumer", layers=1, blocks=4, block_len=256)
     assert w.hello["ok"], w.hello
+
+
+def test_strangers_cannot_make_an_authenticating_daemon_buffer_before_they_proved_anything(spawn, base_dir):
+    """16 connections that each announce 60 MiB where the challenge belongs and send 24 MiB
+    of it. Before frames ahead of authentication were capped at 1 KiB this grew the daemon
+    by 384 MiB; now each is hung up on at the header."""
+    secret = base_dir / "secret"
+    secret.write_bytes(b"0123456789abcdef0123456789abcdef")
+    secret.chmod(0o600)
+    D = spawn.daemon("hostile", "--side-channel-secret-file", str(secret))
+    pid = D.proc.pid
+    _side_prefix(D, 60 << 20)  # warm the path
+    before = _settle(pid)
+    socks = []
+    for _ in range(16):
+        s = _side_conn(D)
+        try:
+            s.sendall(HEADER.pack(60 << 20) + b"\x00" * (24 << 20))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # hung up on while we were still sending: the point
+        socks.append(s)
+    during = _settle(pid)
+    for s in socks:
+        s.close()
+    growth = during - before
+    print(f"\n16 strangers announcing 60 MiB before authenticating, 24 MiB sent each: daemon RSS "
+          f"{before} KiB -> {during} KiB ({growth:+d} KiB)")
+    # asyncio's transport reads ahead of the 4-byte header, up to twice the stream limit
+    # (2 x 64 KiB) per connection, before the refusal closes it: 2 MiB for 16, not 384.
+    assert growth < RSS_SLACK_KIB + 16 * 128, (before, during)
+    assert D.metric("pushsvc_rejected_connections_total", listener="side_channel", reason="auth_missing") == 17
