@@ -122,6 +122,9 @@ async def test_a_hello_with_an_oversized_agent_leaves_the_daemon_serving() -> No
             pair.send_ready("cmpl-a-0-22222222", [0, 1])
             await pair.dw.wait_for(wp.RecvDone, "cmpl-a-0-11111111")
             await pair.pw.wait_for(wp.SendDone, "cmpl-a-0-22222222")
+        # ... and the session with the oversized peer is a real one: P sees it end (it used
+        # to die in the handshake on a MemoryError and look alive forever).
+        await eventually(lambda: pair.p.service.peers.find_engine("decode-2") is None, "P to see decode-2 leave")
         await assert_tables_empty(pair.p, pair.d)
 
 
