@@ -26,7 +26,7 @@ from pushsvc.errors import HandshakeError
 from pushsvc.logging import configure_logging
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import peer as pp
-from pushsvc.server.peers import PeerEvents, PeerManager
+from pushsvc.server.peers import Peer, PeerManager, PeerSettings
 
 SECRET = b"benchmark-secret-0123456789abcdef"
 OTHER = b"another-secret-0123456789abcdef!!"
@@ -35,11 +35,23 @@ AGENT = pp.AgentInfo(rank=0, tp_size=1, agent_name="bench/r0/00000000.1", metada
                               for i in range(64)])
 
 
+class _Ignore:
+    """Peer events with nowhere to go: the benchmark measures the handshake alone."""
+
+    def peer_up(self, peer: Peer) -> None: ...
+    def agents_announced(self, peer: Peer, agents: list[pp.AgentInfo]) -> None: ...
+    def peer_down(self, peer: Peer) -> None: ...
+    def peer_gone(self, peer: Peer) -> None: ...
+    def push_failed(self, peer: Peer, msg: pp.PushFailed) -> None: ...
+    def cancel_push(self, peer: Peer, msg: pp.CancelPush) -> None: ...
+    def push_cancelled(self, peer: Peer, msg: pp.PushCancelled) -> None: ...
+    def write_started(self, peer: Peer, msg: pp.WriteStarted) -> None: ...
+
+
 def _manager(engine_id: str, secret: bytes | None) -> PeerManager:
     return PeerManager(daemon_id=f"{engine_id}-{time.monotonic_ns()}", engine_id=engine_id,
-                       advertised_host="127.0.0.1", local_agents=lambda: [AGENT], events=PeerEvents(),
-                       metrics=Metrics(), max_frame=64 << 20, handshake_timeout_s=5.0, heartbeat_interval_s=1.0,
-                       peer_timeout_s=5.0, secret=secret)
+                       advertised_host="127.0.0.1", local_agents=lambda: [AGENT], events=_Ignore(),
+                       metrics=Metrics(), settings=PeerSettings(64 << 20, 5.0, 1.0, 5.0), secret=secret)
 
 
 def _acceptor(secret: bytes | None, port_out: mp.Queue, stop: mp.Event) -> None:

@@ -132,10 +132,13 @@ class Receiver:
         """Fire and forget: tell P to free the blocks it holds for ``msg``."""
         entry = PendingRecv(msg.request_id, [], remote, self._now(), None, 1, msg.match_key)
         peer = self._peers.find_engine(remote.engine_id)
-        if peer is not None:
-            self._push_reg(rank, entry, peer)
-        else:
+        if peer is None:
             self._tasks.spawn(self._release_after_handshake(rank, entry))
+            return
+        try:
+            self._push_reg(rank, entry, peer)
+        except (HandshakeError, TransferError) as exc:  # P's lease frees its blocks instead
+            log.info("release_unsent", request_id=entry.request_id, peer=remote.engine_id, error=str(exc))
 
     async def _release_after_handshake(self, rank: Rank, entry: PendingRecv) -> None:
         r = entry.remote

@@ -193,3 +193,19 @@ async def test_the_match_key_goes_only_to_a_p_whose_minor_knows_it(p_minor: int,
         await wait_until(lambda: tables(pair.p)["p_registrations"] == 2, "the PUSH_REG to reach P")
         table = pair.p.service.sender._of(pair.p.service.ranks.current[0]).table
         assert table.registrations[("decode", D1)].match_key == sent_key
+
+
+@pytest.mark.asyncio
+async def test_a_release_p_cannot_receive_is_dropped_quietly() -> None:
+    """P's worker left (its agent is gone): a release for P finds nobody to tell. It is
+    given up with a log line; the worker's connection gets no error for it."""
+    async with push_pair() as pair:
+        register(pair, "cmpl-warm", [2])  # D knows P's daemon and agent
+        await wait_until(lambda: tables(pair.p)["p_registrations"] == 1, "the handshake")
+        pair.pw.client.close()
+        await wait_until(lambda: not pair.p.info()["agents"] and not pair.p.info()["retiring_agents"],
+                         "P to release its rank")
+        await pair.dw.wait_for(wp.RecvFailed, "cmpl-warm")  # P told D it will never serve that one
+        pair.register_recv("cmpl-dummy", [], match_key="key-1")
+        await pair.dw.quiet_for(0.2)
+        assert metric(pair.d, "pushsvc_malformed_inputs_total", source="worker", reason="internal") == 0
