@@ -214,7 +214,12 @@ class PeerManager:
         await self._run_session(session, peer)
 
     async def _introduce(self, session: Session, expect_engine: str = "") -> PeerIntro:
-        return await handshake(session, daemon_id=self.daemon_id, my_hello=self._my_hello, secret=self._secret,
+        def hello() -> pp.PeerHello:
+            mine = self._my_hello()
+            session.announced = list(mine.agents)
+            return mine
+
+        return await handshake(session, daemon_id=self.daemon_id, my_hello=hello, secret=self._secret,
                                expect_engine=expect_engine)
 
     # ------------------------------------------------------------------ dialing
@@ -353,8 +358,13 @@ class PeerManager:
         if len(peer.sessions) == 1:
             self._events.peer_up(peer)
         self._add_agents(peer, hello.agents)
+        # Agents registered after our hello went out, while the peer's was on its way:
+        # the broadcast that announced them did not reach this session yet.
+        late = [a for a in self._local_agents() if a not in session.announced]
+        if late:
+            session.send(pp.AgentsUpdate(agents=late))
         log.info("peer_up", peer=peer.engine_id, daemon=peer.daemon_id[:8], agents=len(peer.agents),
-                 session=session.id, minor=intro.minor, authenticated=intro.authenticated)
+                 session=session.id, minor=intro.minor, authenticated=intro.authenticated, announced_late=len(late))
         return peer
 
     def _add_agents(self, peer: Peer, agents: list[pp.AgentInfo]) -> None:

@@ -40,6 +40,9 @@ class Session:
         self.authenticated = False
         self.peer: Peer | None = None
         self.overflowed = False
+        # The local agents our hello on this session announced: a worker that registers
+        # between our hello and the peer's is announced once the session is adopted.
+        self.announced: list[pp.AgentInfo] = []
 
     async def read(self, timeout: float | None = None) -> pp.PeerMessage:
         # The cap is checked before a payload byte is read; both refusals are counted

@@ -168,3 +168,27 @@ async def test_a_session_whose_peer_stops_reading_is_closed_not_buffered_without
             w.close()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_an_agent_registered_between_the_two_hellos_is_announced() -> None:
+    """Regression (seen in the e2e restart test): P's hello went out with no agent, P's
+    worker registered before D's hello arrived, and the AgentsUpdate broadcast at the
+    registration missed D's session, which was not adopted yet: D never learnt P's agent
+    and failed every request ("peer prefill has no rank 0")."""
+    agents: list[pp.AgentInfo] = []
+    p, _pm, _ = manager("prefill", None)
+    p._local_agents = lambda: list(agents)  # type: ignore[method-assign]
+    async with started(p):
+        raw = await Raw.connect(p.port)
+        await raw.reader.readexactly(PREAMBLE.size)
+        first = await raw.read_msg()
+        assert isinstance(first, pp.PeerHello) and first.agents == []
+        agents.append(AGENT)  # the worker registers now
+        p.broadcast(pp.AgentsUpdate(agents=[AGENT]))  # what register_kv does: nobody to send to yet
+        hello = pp.PeerHello(daemon_id="d", engine_id="decode", side_channel_host="127.0.0.1", side_channel_port=1,
+                             agents=[])
+        raw.writer.write(encode_preamble(pp.MAGIC, pp.MAJOR, pp.MINOR) + frame(pp.encode(hello)))
+        update = await raw.read_msg()
+        assert isinstance(update, pp.AgentsUpdate) and update.agents == [AGENT]
+        raw.close()
