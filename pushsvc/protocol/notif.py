@@ -1,10 +1,14 @@
 """NIXL notification payloads exchanged between daemons' agents.
 
-Two formats, kept from the seed design so D-side accounting matches pull mode:
+Two formats kept from the seed design so D-side accounting matches pull mode, and one
+of ours:
 
 * ``PUSH_REG:<msgpack map>``: D registers pre-allocated blocks with P (``PushReg``).
 * ``<request_id>:<tp_size>``: P's completion notification, attached to the WRITE so it
   is delivered only after the data landed (``request_id`` is D's own id).
+* ``PUSH_PART:<i>/<k>:<request_id>:<tp_size>``: the completion of part ``i`` of ``k`` of
+  a WRITE split into parts (side channel 1.3, only to an agent that advertised
+  ``parts``); the request is complete when all ``k`` have arrived.
 
 Notifications come from whatever agent can reach ours, so both decoders treat the
 payload as hostile: size-capped, unknown fields rejected, every value bounded.
@@ -21,6 +25,8 @@ from pushsvc.protocol.framing import DECODE_ERRORS
 from pushsvc.protocol.worker import BlockIds, MatchKey, Name, Port, RequestId
 
 PUSH_REG_PREFIX = b"PUSH_REG:"
+PART_PREFIX = b"PUSH_PART:"
+MAX_PARTS = 32
 # A request id is at most 256 characters, so at most 1024 UTF-8 bytes, plus ":<tp>".
 _MAX_COMPLETION_BYTES = 4 * 256 + 8
 MAX_NOTIF_BYTES = 4 << 20
@@ -88,3 +94,24 @@ def decode_completion(payload: bytes) -> tuple[str, int]:
     if not sep or not request_id or not (tp.isascii() and tp.isdigit()) or not 1 <= int(tp) <= 1024:
         raise ProtocolError(f"malformed completion notification {text[:80]!r}")
     return request_id, int(tp)
+
+
+def encode_part(request_id: str, tp_size: int, index: int, parts: int) -> bytes:
+    return PART_PREFIX + f"{index}/{parts}:".encode() + encode_completion(request_id, tp_size)
+
+
+def decode_notification(payload: bytes) -> tuple[str, int, int, int]:
+    """A completion in either form, as (request_id, tp_size, part, parts); a whole
+    WRITE's completion is part 0 of 1."""
+    if not payload.startswith(PART_PREFIX):
+        rid, tp = decode_completion(payload)
+        return rid, tp, 0, 1
+    head, sep, rest = payload[len(PART_PREFIX) :].partition(b":")
+    index, slash, parts = head.partition(b"/")
+    if not (sep and slash and index.isdigit() and parts.isdigit() and len(head) <= 8):
+        raise ProtocolError(f"malformed part notification {payload[:80]!r}")
+    i, k = int(index), int(parts)
+    if not 1 <= k <= MAX_PARTS or i >= k:
+        raise ProtocolError(f"part {i} of {k}: out of range (at most {MAX_PARTS} parts)")
+    rid, tp = decode_completion(rest)
+    return rid, tp, i, k

@@ -22,9 +22,12 @@ from pushsvc.protocol.worker import U32, U64, Name, Text
 
 MAGIC = b"PSVP"
 MAJOR = 1
-MINOR = 2  # 1.1: AuthChallenge, AuthProof (sent only with a secret); 1.2: PushReg.match_key
+# 1.1: AuthChallenge, AuthProof (sent only with a secret); 1.2: PushReg.match_key;
+# 1.3: AgentInfo.device and AgentInfo.parts (WRITEs in parts, ``PUSH_PART`` notifications)
+MINOR = 3
 AUTH_MINOR = 1
 MATCH_KEY_MINOR = 2  # a D daemon sets PushReg.match_key only for a P at this minor or later
+PARTS_MINOR = 3  # a P daemon splits WRITEs only for a D at this minor or later that asks for it
 
 _opts = dict(forbid_unknown_fields=True, omit_defaults=True, tag_field="t")
 
@@ -52,6 +55,11 @@ class AgentInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, 
     regions: Annotated[list[RegionInfo], msgspec.Meta(max_length=16384)]
     blocks_per_logical: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     mem_type: Annotated[str, msgspec.Meta(pattern="^(DRAM|VRAM)$")] = "DRAM"
+    # 1.3: the device the regions live on, in the remote's own numbering (NIXL's device id).
+    device: Annotated[int, msgspec.Meta(ge=0, le=1023)] = 0
+    # 1.3: WRITEs into this agent may come in parts, each with a ``PUSH_PART`` notification
+    # (its regions are a landing buffer that its daemon copies out of as parts land).
+    parts: bool = False
 
 
 _Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_LEN, max_length=NONCE_LEN)]

@@ -28,9 +28,12 @@ MatchKey = Annotated[str, msgspec.Meta(max_length=MATCH_KEY_MAX, pattern=r"^[A-Z
 
 MAGIC = b"PSVW"
 MAJOR = 1
-MINOR = 1  # 1.1: RegisterRecv.match_key, SendReady.match_key
+MINOR = 2  # 1.1: RegisterRecv.match_key, SendReady.match_key; 1.2: CudaIpcBuffers
 # The first minor whose daemon accepts ``match_key``; a client sets it only for such a daemon.
 MATCH_KEY_MINOR = 1
+# The first minor whose daemon takes CUDA KV memory (``CudaIpcBuffers``).
+CUDA_IPC_MINOR = 2
+CUDA_IPC_HANDLE_BYTES = 64
 
 Role = Literal["producer", "consumer", "both"]
 
@@ -71,19 +74,26 @@ class MemfdBuffers(msgspec.Struct, tag="memfd", **_opts):
     count: Annotated[int, msgspec.Meta(ge=1, le=MAX_FDS)]
 
 
-class DaemonArena(msgspec.Struct, tag="daemon_arena", **_opts):
-    """GPU memory owned by the daemon (cudaMalloc) and mapped by the worker.
+class CudaIpcBuffer(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
+    """One CUDA allocation of the worker, exported with ``cuIpcGetMemHandle``."""
 
-    The daemon allocates ``sizes`` bytes per buffer on ``device`` and answers with
-    ``ArenaGranted`` carrying CUDA IPC handles; the worker builds its KV tensors on them.
-    The daemon registers memory it owns, which is what keeps GPU WRITEs at NVLink speed.
+    handle: Annotated[bytes, msgspec.Meta(min_length=CUDA_IPC_HANDLE_BYTES, max_length=CUDA_IPC_HANDLE_BYTES)]
+    size: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]  # the allocation's size, as the worker sees it
+
+
+class CudaIpcBuffers(msgspec.Struct, tag="cuda_ipc", **_opts):
+    """GPU memory of the worker, shared by CUDA IPC handle (1.2).
+
+    Buffer ``i`` of the regions is the allocation of ``buffers[i]``, on the device whose
+    UUID is ``device_uuid``; region offsets count from the allocation's start. The daemon
+    opens the handles itself and checks every region against its own mapping's size.
     """
 
-    device: U32
-    sizes: Annotated[list[U64], msgspec.Meta(min_length=1, max_length=64)]
+    device_uuid: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+    buffers: Annotated[list[CudaIpcBuffer], msgspec.Meta(min_length=1, max_length=4096)]
 
 
-Memory = Union[MemfdBuffers, DaemonArena]
+Memory = Union[MemfdBuffers, CudaIpcBuffers]
 
 
 # ---------------------------------------------------------------- worker -> daemon
@@ -156,10 +166,8 @@ class KVRegistered(msgspec.Struct, tag="kv_registered", **_opts):
     agent_name: str
     regions: int
     bytes: int
-
-
-class ArenaGranted(msgspec.Struct, tag="arena_granted", **_opts):
-    ipc_handles: list[bytes]
+    mem_type: str = ""  # 1.2: "DRAM" or "VRAM"
+    landing_slots: int = 0  # 1.2: logical blocks D's landing buffer holds (0: none)
 
 
 class RecvDone(msgspec.Struct, tag="recv_done", **_opts):
@@ -194,7 +202,7 @@ class Error(msgspec.Struct, tag="error", **_opts):
 
 
 DaemonMessage = Union[
-    Welcome, KVRegistered, ArenaGranted, RecvDone, RecvFailed, SendDone, SendFailed, Pong, Error
+    Welcome, KVRegistered, RecvDone, RecvFailed, SendDone, SendFailed, Pong, Error
 ]
 
 _encoder = msgspec.msgpack.Encoder()

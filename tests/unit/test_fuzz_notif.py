@@ -3,7 +3,8 @@ daemon reads them: ``PushService.drain_notifs`` of a real in-process P/D pair on
 fake engine, fed by D's own agent (a known peer) and by an agent no daemon knows.
 
 Every notification must end in exactly one of two counters: refused,
-``pushsvc_malformed_inputs{source="notification"}``, or handled,
+``pushsvc_malformed_inputs{source="notification"}`` (a part for a rank without landing
+too), or handled,
 ``pushsvc_notifications{kind=push_reg|completion|late_completion}``. Those the protocol's
 decoders refuse are counted under the decoder's reason (``push_reg``, ``completion``)
 one for one. None of them makes P WRITE: nothing is staged on P, and a registration
@@ -44,6 +45,9 @@ def _push_regs() -> st.SearchStrategy[bytes]:
 
 _completions = st.one_of(
     st.builds(lambda rid, tp: f"{rid}:{tp}".encode(), _text(0, 24), st.integers(1, 1024)),
+    # Parts of a WRITE (side channel 1.3): to these ranks, which have no landing, refused.
+    st.builds(lambda i, k, rid, tp: notif.PART_PREFIX + f"{i}/{k}:{rid}:{tp}".encode(), st.integers(-1, 40),
+              st.integers(-1, 40), _text(0, 24), st.integers(0, 1100)),
     st.builds(lambda rid, tp: f"{rid}:{tp}".encode(), _text(0, 24), st.integers(-3, 1100)),
     st.binary(max_size=48),
 )
@@ -55,7 +59,7 @@ def _reference_reason(payload: bytes) -> str:
         if notif.is_push_reg(payload):
             notif.decode_push_reg(payload)
         else:
-            notif.decode_completion(payload)
+            notif.decode_notification(payload)
     except ProtocolError:
         return "push_reg" if notif.is_push_reg(payload) else "completion"
     return ""

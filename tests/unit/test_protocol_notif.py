@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pushsvc.errors import ProtocolError
-from pushsvc.protocol import worker
+from pushsvc.protocol import notif, worker
 from pushsvc.protocol.notif import (
     MAX_NOTIF_BYTES,
     PUSH_REG_PREFIX,
@@ -341,3 +341,37 @@ def test_match_key_bounds(push_reg, key: str, ok: bool) -> None:
             worker.worker_decoder.decode(pack({"t": "register_recv", "request_id": "r", "local_block_ids": [[1]],
                                                "remote_engine_id": "p", "remote_host": "h", "remote_port": 1,
                                                "match_key": key}))
+
+
+# ---------------------------------------------------------------- parts (side channel 1.3)
+
+
+@pytest.mark.parametrize(("rid", "i", "k"), [("r", 0, 1), ("cmpl-a:b:c", 3, 7), ("x", 31, 32)])
+def test_part_round_trips_and_a_whole_completion_is_part_0_of_1(rid: str, i: int, k: int) -> None:
+    assert notif.decode_notification(notif.encode_part(rid, 4, i, k)) == (rid, 4, i, k)
+    assert notif.decode_notification(notif.encode_completion(rid, 2)) == (rid, 2, 0, 1)
+
+
+@pytest.mark.parametrize("payload", [
+    b"PUSH_PART:1/0:r:1",  # no parts
+    b"PUSH_PART:2/2:r:1",  # index past the last part
+    b"PUSH_PART:0/33:r:1",  # more than 32 parts
+    b"PUSH_PART:-1/2:r:1",
+    b"PUSH_PART:1:r:1",  # no count
+    b"PUSH_PART:1/2",  # no completion
+    b"PUSH_PART:1/2:r",  # completion without tp
+    b"PUSH_PART:1/2::1",  # empty request id
+    b"PUSH_PART:000000001/2:r:1",  # overlong head
+    b"PUSH_PART:\xff/2:r:1",
+])
+def test_malformed_parts_are_refused(payload: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        notif.decode_notification(payload)
+
+
+def test_a_part_never_completes_the_request_at_an_older_decoder() -> None:
+    """A D before 1.3 (``decode_completion`` only) reads a part as the completion of a
+    request id it does not have, never of the request itself (P sends parts only to a D
+    that advertised them)."""
+    rid, _ = notif.decode_completion(notif.encode_part("r", 1, 0, 2))
+    assert rid != "r" and rid.startswith("PUSH_PART:")

@@ -25,6 +25,8 @@ AGENT = peer.AgentInfo(
     ],
     blocks_per_logical=2,
     mem_type="VRAM",
+    device=7,
+    parts=True,
 )
 
 PEER_MESSAGES = [
@@ -159,3 +161,20 @@ def test_peer_decoder_does_not_accept_worker_hello() -> None:
 def test_peer_decoder_rejects_garbage() -> None:
     with pytest.raises(msgspec.DecodeError):
         peer.peer_decoder.decode(b"\xc1\x00")
+
+
+def test_a_cpu_agent_encodes_as_before_1_3() -> None:
+    """``device`` and ``parts`` are left out at their defaults, so a CPU agent's hello
+    still decodes at a 1.2 peer (whose decoder refuses unknown fields)."""
+    cpu = peer.AgentInfo(rank=0, tp_size=1, agent_name="a", metadata=b"m", regions=[])
+    assert set(unpack(pack(cpu))) == {"rank", "tp_size", "agent_name", "metadata", "regions"}
+    gpu = msgspec.structs.replace(cpu, mem_type="VRAM", device=1, parts=True)
+    assert {"device", "parts"} <= set(unpack(pack(gpu)))
+
+
+@pytest.mark.parametrize("change", [{"device": -1}, {"device": 1024}, {"parts": "yes"}])
+def test_agent_info_1_3_bounds(change: dict) -> None:
+    raw = {**msgspec.to_builtins(peer.AgentInfo(rank=0, tp_size=1, agent_name="a", metadata=b"m", regions=[])),
+           **change}
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(pack(raw), type=peer.AgentInfo)

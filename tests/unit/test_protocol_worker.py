@@ -26,7 +26,9 @@ WORKER_MESSAGES = [
     worker.Hello(engine_id="decode-0", rank=0, tp_size=1, role="consumer"),
     worker.Hello(engine_id="both", rank=0, tp_size=1, role="both"),
     worker.RegisterKV(memory=worker.MemfdBuffers(count=2), regions=REGIONS, blocks_per_logical=4),
-    worker.RegisterKV(memory=worker.DaemonArena(device=1, sizes=[1 << 30, 2 << 30]), regions=REGIONS[:1]),
+    worker.RegisterKV(memory=worker.CudaIpcBuffers(device_uuid=bytes(range(16)), buffers=[
+        worker.CudaIpcBuffer(handle=b"\x01" * 64, size=1 << 30), worker.CudaIpcBuffer(handle=b"\xff" * 64, size=7)]),
+        regions=REGIONS),
     worker.RegisterRecv(
         request_id="cmpl-abc-0-deadbeef",
         local_block_ids=[[1, 2, 3], [9]],
@@ -46,7 +48,7 @@ WORKER_MESSAGES = [
 DAEMON_MESSAGES = [
     worker.Welcome(daemon_id="d-1", engine_id="e", side_channel_host="h", side_channel_port=5600, max_frame=1 << 26),
     worker.KVRegistered(agent_name="agent-0", regions=2, bytes=1 << 33),
-    worker.ArenaGranted(ipc_handles=[b"\x00" * 64, b"\xff" * 64]),
+    worker.KVRegistered(agent_name="agent-1", regions=64, bytes=1 << 33, mem_type="VRAM", landing_slots=1024),
     worker.RecvDone(request_id="r"),
     worker.RecvFailed(request_id="r", block_ids=[1, 2, 3], reason="handshake failed"),
     worker.SendDone(request_id="r"),
@@ -67,7 +69,6 @@ WORKER_TAGS = {
     worker.Describe: "describe",
     worker.Welcome: "welcome",
     worker.KVRegistered: "kv_registered",
-    worker.ArenaGranted: "arena_granted",
     worker.RecvDone: "recv_done",
     worker.RecvFailed: "recv_failed",
     worker.SendDone: "send_done",
@@ -141,9 +142,17 @@ def _register_kv(memory: Any = None, region: Any = None, **changes: Any) -> dict
     return {"t": "register_kv", "memory": memory or {"t": "memfd", "count": 1}, "regions": [r], **changes}
 
 
+def _ipc(**changes: Any) -> dict[str, Any]:
+    return {"handle": b"\x07" * 64, "size": 1 << 20, **changes}
+
+
+def _cuda(**changes: Any) -> dict[str, Any]:
+    return {"t": "cuda_ipc", "device_uuid": b"\x0a" * 16, "buffers": [_ipc()], **changes}
+
+
 def test_valid_raw_maps_decode() -> None:
     """The builders below are valid as-is, so every rejection is due to the one change."""
-    for raw in (_hello(), _send_ready(), _register_recv(), _register_kv()):
+    for raw in (_hello(), _send_ready(), _register_recv(), _register_kv(), _register_kv(memory=_cuda())):
         worker.worker_decoder.decode(pack(raw))
 
 
@@ -192,9 +201,18 @@ def test_valid_raw_maps_decode() -> None:
         pytest.param(_register_kv(blocks_per_logical=1025), id="blocks-per-logical-too-large"),
         pytest.param(_register_kv(memory={"t": "memfd", "count": 0}), id="memfd-count-zero"),
         pytest.param(_register_kv(memory={"t": "memfd", "count": 251}), id="memfd-count-too-large"),
-        pytest.param(_register_kv(memory={"t": "daemon_arena", "device": 0, "sizes": []}), id="arena-no-sizes"),
-        pytest.param(_register_kv(memory={"t": "daemon_arena", "device": 0, "sizes": [1] * 65}), id="arena-too-many"),
-        pytest.param(_register_kv(memory={"t": "daemon_arena", "device": 0, "sizes": [-1]}), id="arena-negative"),
+        pytest.param(_register_kv(memory={"t": "daemon_arena", "device": 0, "sizes": [1 << 30]}),
+                     id="arena-no-longer-a-kind"),
+        pytest.param(_register_kv(memory=_cuda(buffers=[])), id="cuda-no-buffers"),
+        pytest.param(_register_kv(memory=_cuda(buffers=[_ipc()] * 4097)), id="cuda-too-many-buffers"),
+        pytest.param(_register_kv(memory=_cuda(device_uuid=b"\0" * 15)), id="cuda-uuid-short"),
+        pytest.param(_register_kv(memory=_cuda(device_uuid=b"\0" * 17)), id="cuda-uuid-long"),
+        pytest.param(_register_kv(memory=_cuda(buffers=[_ipc(handle=b"\0" * 63)])), id="cuda-handle-short"),
+        pytest.param(_register_kv(memory=_cuda(buffers=[_ipc(handle=b"\0" * 65)])), id="cuda-handle-long"),
+        pytest.param(_register_kv(memory=_cuda(buffers=[_ipc(size=0)])), id="cuda-size-zero"),
+        pytest.param(_register_kv(memory=_cuda(buffers=[_ipc(size=-1)])), id="cuda-size-negative"),
+        pytest.param(_register_kv(memory=_cuda(buffers=[{**_ipc(), "extra": 1}])), id="cuda-unknown-field"),
+        pytest.param(_register_kv(memory=_cuda(device_uuid="0" * 16)), id="cuda-uuid-not-bytes"),
         pytest.param([1, 2, 3], id="array-not-map"),
         pytest.param("hello", id="string-not-map"),
     ],
