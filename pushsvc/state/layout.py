@@ -99,6 +99,10 @@ class WritePlan:
     dst_indices: np.ndarray
     nbytes: int
     logical_blocks: int
+    # Per descriptor pair: its region and its length (what ``split_plan`` cuts by).
+    regions: np.ndarray | None = None
+    lengths: np.ndarray | None = None
+    region_count: int = 0
 
 
 def _expand(ids: list[int], per_logical: int) -> np.ndarray:
@@ -132,10 +136,12 @@ def plan_write(
     check_block_ids(dst, dst_blocks, "remote blocks")
     src_idx: list[np.ndarray] = []
     dst_idx: list[np.ndarray] = []
+    regions: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
     nbytes = 0
     logical = 0
     src_off = dst_off = 0
-    for s_reg, d_reg in zip(src.regions, dst.regions):
+    for index, (s_reg, d_reg) in enumerate(zip(src.regions, dst.regions)):
         g = s_reg.group
         s_ids = src_blocks[g] if g < len(src_blocks) else []
         d_ids = dst_blocks[g] if g < len(dst_blocks) else []
@@ -147,6 +153,8 @@ def plan_write(
             d_phys = _expand(d_ids, dst.blocks_per_logical)
             src_idx.append(s_phys + src_off)
             dst_idx.append(d_phys + dst_off)
+            regions.append(np.full(len(d_phys), index, dtype=np.int32))
+            lengths.append(np.full(len(d_phys), s_reg.block_len, dtype=np.int64))
             nbytes += s_reg.block_len * len(s_phys)
         src_off += s_reg.num_blocks
         dst_off += d_reg.num_blocks
@@ -158,4 +166,30 @@ def plan_write(
         dst_indices=np.concatenate(dst_idx).astype(np.int32) if dst_idx else empty,
         nbytes=nbytes,
         logical_blocks=logical,
+        regions=np.concatenate(regions) if regions else empty,
+        lengths=np.concatenate(lengths) if lengths else np.empty(0, dtype=np.int64),
+        region_count=len(dst.regions),
     )
+
+
+def split_plan(plan: WritePlan, parts: int) -> list[WritePlan]:
+    """Cut ``plan`` into ``parts`` WRITEs by region: part ``i`` carries every pair of the
+    regions ``part_regions(region_count, parts, i)``. D cuts its copies the same way."""
+    if parts <= 1:
+        return [plan]
+    assert plan.regions is not None and plan.lengths is not None
+    # Inverts part_regions: region r is in part i iff R*i//k <= r < R*(i+1)//k, that is
+    # i = ceil((r + 1) * k / R) - 1.
+    part_of = -(-(plan.regions.astype(np.int64) + 1) * parts // plan.region_count) - 1
+    out = []
+    for i in range(parts):
+        mask = part_of == i
+        out.append(WritePlan(plan.src_indices[mask], plan.dst_indices[mask], int(plan.lengths[mask].sum()),
+                             plan.logical_blocks if i == 0 else 0, plan.regions[mask], plan.lengths[mask],
+                             plan.region_count))
+    return out
+
+
+def part_regions(regions: int, parts: int, i: int) -> range:
+    """The regions part ``i`` of ``parts`` of a WRITE carries."""
+    return range(regions * i // parts, regions * (i + 1) // parts)

@@ -1,0 +1,195 @@
+"""The few CUDA driver calls the GPU path needs, through ctypes (no build step, no
+dependency): export and import of IPC handles, owned allocations, pointer queries.
+
+Used on both sides: the connector exports the worker's KV allocations
+(``export_allocation``) in the engine process, where torch made the device's primary
+context current; the daemon imports them and allocates its landing buffers, with the
+primary context of the device made current by ``Driver.use``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from dataclasses import dataclass
+
+from pushsvc.errors import DeviceError
+
+IPC_HANDLE_BYTES = 64
+_LAZY_ENABLE_PEER_ACCESS = 1
+_ATTR_DEVICE_ORDINAL = 9
+_ATTR_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+_ATTR_MEMORY_TYPE = 2
+_MEMORYTYPE_DEVICE = 2
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class _Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_char * 16)]
+
+
+_CU = ctypes.c_int  # CUresult
+_PTR = ctypes.c_uint64  # CUdeviceptr
+
+
+def _load() -> ctypes.CDLL:
+    for name in ("libcuda.so.1", ctypes.util.find_library("cuda") or ""):
+        if not name:
+            continue
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise DeviceError("the CUDA driver (libcuda.so.1) is not installed on this host")
+
+
+@dataclass(frozen=True, slots=True)
+class Export:
+    """One exported allocation: its handle, its range, the offset of the pointer asked for."""
+
+    handle: bytes
+    base: int
+    size: int
+
+
+class Driver:
+    def __init__(self) -> None:
+        lib = self._lib = _load()
+        sig = {
+            "cuInit": [ctypes.c_uint],
+            "cuGetErrorName": [_CU, ctypes.POINTER(ctypes.c_char_p)],
+            "cuDeviceGetCount": [ctypes.POINTER(ctypes.c_int)],
+            "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+            "cuDeviceGetUuid_v2": [ctypes.POINTER(_Uuid), ctypes.c_int],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+            "cuDevicePrimaryCtxRelease_v2": [ctypes.c_int],
+            "cuCtxSetCurrent": [ctypes.c_void_p],
+            "cuPointerGetAttribute": [ctypes.c_void_p, ctypes.c_int, _PTR],
+            "cuMemGetAddressRange_v2": [ctypes.POINTER(_PTR), ctypes.POINTER(ctypes.c_size_t), _PTR],
+            "cuIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), _PTR],
+            "cuIpcOpenMemHandle_v2": [ctypes.POINTER(_PTR), _IpcHandle, ctypes.c_uint],
+            "cuIpcCloseMemHandle": [_PTR],
+            "cuMemAlloc_v2": [ctypes.POINTER(_PTR), ctypes.c_size_t],
+            "cuMemFree_v2": [_PTR],
+            "cuMemsetD8_v2": [_PTR, ctypes.c_ubyte, ctypes.c_size_t],
+            "cuMemGetInfo_v2": [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
+        }
+        for name, args in sig.items():
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = _CU
+        self._check(lib.cuInit(0), "cuInit")
+
+    def _check(self, result: int, what: str) -> None:
+        if result:
+            name = ctypes.c_char_p()
+            self._lib.cuGetErrorName(result, ctypes.byref(name))
+            raise DeviceError(f"{what} failed: {(name.value or b'CUDA error').decode()} ({result})")
+
+    # ------------------------------------------------------------------ devices
+
+    def device_count(self) -> int:
+        n = ctypes.c_int()
+        self._check(self._lib.cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
+        return n.value
+
+    def find_device(self, uuid: bytes) -> int:
+        for ordinal in range(self.device_count()):
+            if self.device_uuid(ordinal) == uuid:
+                return ordinal
+        raise DeviceError(f"no visible CUDA device has UUID {format_uuid(uuid)} (check CUDA_VISIBLE_DEVICES "
+                          "of the daemon: it must see the worker's GPU)")
+
+    def device_uuid(self, ordinal: int) -> bytes:
+        dev, uuid = ctypes.c_int(), _Uuid()
+        self._check(self._lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+        self._check(self._lib.cuDeviceGetUuid_v2(ctypes.byref(uuid), dev.value), "cuDeviceGetUuid")
+        return ctypes.string_at(ctypes.addressof(uuid), 16)
+
+    def retain_context(self, ordinal: int) -> int:
+        ctx = ctypes.c_void_p()
+        self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), ordinal), "cuDevicePrimaryCtxRetain")
+        return ctx.value or 0
+
+    def release_context(self, ordinal: int) -> None:
+        self._check(self._lib.cuDevicePrimaryCtxRelease_v2(ordinal), "cuDevicePrimaryCtxRelease")
+
+    def use(self, ctx: int) -> None:
+        """Make ``ctx`` current on this thread (driver calls act on the current context)."""
+        self._check(self._lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def mem_info(self) -> tuple[int, int]:
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self._check(self._lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
+        return free.value, total.value
+
+    # ------------------------------------------------------------------ pointers
+
+    def _attribute(self, ptr: int, attr: int) -> int:
+        value = ctypes.c_int()
+        self._check(self._lib.cuPointerGetAttribute(ctypes.byref(value), attr, ptr), "cuPointerGetAttribute")
+        return value.value
+
+    def pointer_device(self, ptr: int) -> int:
+        if self._attribute(ptr, _ATTR_MEMORY_TYPE) != _MEMORYTYPE_DEVICE:
+            raise DeviceError(f"pointer {ptr:#x} is not device memory")
+        return self._attribute(ptr, _ATTR_DEVICE_ORDINAL)
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        base, size = _PTR(), ctypes.c_size_t()
+        self._check(self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
+                    "cuMemGetAddressRange")
+        return base.value, size.value
+
+    # ------------------------------------------------------------------ IPC
+
+    def export_allocation(self, ptr: int) -> Export:
+        """The IPC handle of the allocation holding ``ptr``. Refuses memory that cannot be
+        exported this way (CUDA VMM, e.g. torch's ``expandable_segments``)."""
+        if not self._attribute(ptr, _ATTR_IS_LEGACY_CUDA_IPC_CAPABLE):
+            raise DeviceError("KV cache memory cannot be shared by CUDA IPC handle: it is a CUDA VMM allocation "
+                              "(unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF for the engine)")
+        base, size = self.address_range(ptr)
+        handle = _IpcHandle()
+        self._check(self._lib.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
+        return Export(ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES), base, size)
+
+    def ipc_open(self, handle: bytes) -> tuple[int, int]:
+        """Map another process's allocation; returns (address, size of the mapping)."""
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise DeviceError(f"an IPC handle has {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
+        raw = _IpcHandle()
+        ctypes.memmove(ctypes.addressof(raw), handle, IPC_HANDLE_BYTES)
+        ptr = _PTR()
+        self._check(self._lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw, _LAZY_ENABLE_PEER_ACCESS),
+                    "cuIpcOpenMemHandle")
+        try:
+            base, size = self.address_range(ptr.value)
+        except DeviceError:
+            self._lib.cuIpcCloseMemHandle(ptr.value)
+            raise
+        return base, size
+
+    def ipc_close(self, ptr: int) -> None:
+        self._check(self._lib.cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle")
+
+    # ------------------------------------------------------------------ owned memory
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = _PTR()
+        self._check(self._lib.cuMemAlloc_v2(ctypes.byref(ptr), nbytes), f"cuMemAlloc of {nbytes} bytes")
+        return ptr.value
+
+    def free(self, ptr: int) -> None:
+        self._check(self._lib.cuMemFree_v2(ptr), "cuMemFree")
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        self._check(self._lib.cuMemsetD8_v2(ptr, value, nbytes), "cuMemsetD8")
+
+
+def format_uuid(uuid: bytes) -> str:
+    h = uuid.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"

@@ -1,0 +1,147 @@
+"""Host memory standing in for a GPU, for unit tests of the landing path.
+
+A ``FakeDeviceMemory`` hands out devices by UUID; ``export`` gives a 64-byte "IPC handle"
+for a host buffer the test owns, and ``import_ipc`` maps it back (the same address: one
+process). Gathers copy real bytes when they are issued but report ``done`` only after
+``copy_polls`` queries, and not at all while ``hold_copies`` is set, so tests see final
+events held behind copies in flight.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+
+import numpy as np
+
+from pushsvc.errors import DeviceError
+from pushsvc.state.landing import CopyRows, copy_rows
+
+
+class _Buffer:
+    def __init__(self, address: int, size: int, on_close) -> None:
+        self.address, self.size, self._on_close = address, size, on_close
+
+    def close(self) -> None:
+        if self.address:
+            self.address = 0
+            self._on_close()
+
+
+class _Copy:
+    def __init__(self, device: FakeDevice, polls: int) -> None:
+        self._device = device
+        self._left = polls
+        device.in_flight += 1
+
+    def done(self) -> bool:
+        if self._left > 0 and not self._device.memory.hold_copies:
+            self._left -= 1
+            if self._left == 0:
+                self._device.in_flight -= 1
+        return self._left == 0
+
+    def wait(self) -> None:
+        self._device.memory.hold_copies = False  # a blocking wait ends the hold: the copy "finishes"
+        while not self.done():
+            pass
+
+
+def _rows(address: int, nbytes: int, unit: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)).reshape(-1, unit)
+
+
+class FakeDevice:
+    def __init__(self, memory: FakeDeviceMemory, ordinal: int, uuid: bytes) -> None:
+        self.memory = memory
+        self.ordinal = ordinal
+        self.uuid = uuid
+        self.imported = 0
+        self.allocated = 0
+        self.in_flight = 0
+        self.gathers = 0
+        self._owned: dict[int, ctypes.Array] = {}
+
+    def import_ipc(self, handle: bytes) -> _Buffer:
+        target = self.memory.exported.get(handle)
+        if target is None:
+            raise DeviceError("cuIpcOpenMemHandle failed: CUDA_ERROR_INVALID_VALUE (1)")
+        address, size = target
+        self.imported += size
+
+        def closed() -> None:
+            self.imported -= size
+
+        return _Buffer(address, size, closed)
+
+    def allocate(self, nbytes: int) -> _Buffer:
+        if self.memory.fail_allocations:
+            raise DeviceError(f"cuMemAlloc of {nbytes} bytes failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
+        raw = (ctypes.c_uint8 * nbytes)()
+        address = ctypes.addressof(raw)
+        self._owned[address] = raw
+        self.allocated += nbytes
+
+        def freed() -> None:
+            del self._owned[address]
+            self.allocated -= nbytes
+
+        return _Buffer(address, nbytes, freed)
+
+    def row_space(self, origin: int, nbytes: int, unit: int) -> np.ndarray:
+        return _rows(origin, nbytes - nbytes % unit, unit)
+
+    def upload_rows(self, rows: CopyRows) -> CopyRows:
+        return rows
+
+    def gather(self, dst: np.ndarray, rows: CopyRows, blocks: np.ndarray, src: np.ndarray, slots: np.ndarray) -> _Copy:
+        src_rows, dst_rows = copy_rows(rows, np.asarray(slots, dtype=np.int64), np.asarray(blocks, dtype=np.int64))
+        for index, space in ((src_rows, src), (dst_rows, dst)):
+            if len(index) and (index.min() < 0 or index.max() >= len(space)):
+                raise DeviceError("gather out of range")
+        dst[dst_rows] = src[src_rows]
+        self.gathers += 1
+        return _Copy(self, self.memory.copy_polls)
+
+    def read_rows(self, space: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return space[np.asarray(rows, dtype=np.int64)].reshape(-1).copy()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeDeviceMemory:
+    name = "fake"
+
+    def __init__(self, copy_polls: int = 1) -> None:
+        self.copy_polls = copy_polls
+        self.hold_copies = False
+        self.fail_allocations = False
+        self.exported: dict[bytes, tuple[int, int]] = {}
+        self._devices: dict[bytes, FakeDevice] = {}
+
+    def add_device(self, uuid: bytes) -> FakeDevice:
+        dev = self._devices[uuid] = FakeDevice(self, len(self._devices), uuid)
+        return dev
+
+    @property
+    def copies_in_flight(self) -> int:
+        return sum(d.in_flight for d in self._devices.values())
+
+    def export(self, address: int, size: int) -> bytes:
+        handle = hashlib.sha512(f"{address}:{size}".encode()).digest()
+        self.exported[handle] = (address, size)
+        return handle
+
+    def device(self, uuid: bytes) -> FakeDevice:
+        dev = self._devices.get(uuid)
+        if dev is None:
+            raise DeviceError("no visible CUDA device has this UUID")
+        return dev
+
+    def usage(self) -> dict[str, int]:
+        return {"imported": sum(d.imported for d in self._devices.values()),
+                "allocated": sum(d.allocated for d in self._devices.values())}
+
+    def close(self) -> None:
+        pass
