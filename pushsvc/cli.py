@@ -45,6 +45,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--verify", dest="verify", action="store_true", default=None,
                    help="KV verify mode: digest pushed blocks on P, check them on D")
+    p.add_argument("--gpu", dest="gpu", choices=["auto", "on", "off"],
+                   help="GPU path: auto (when torch is a CUDA build), on (required), off")
+    p.add_argument("--landing-mib", dest="landing_mib", type=int,
+                   help="D's landing buffer per GPU rank, MiB (0: WRITE into vLLM's KV directly)")
+    p.add_argument("--write-part-mib", dest="write_part_mib", type=int,
+                   help="P: WRITEs into a landing buffer go in parts of about this size, MiB (0: one WRITE)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--ready-file", help="write /v1/info JSON here once the daemon is ready")
 
@@ -81,7 +87,8 @@ _PROXY_FIELDS = ("prefill", "prefill_daemon", "decode", "port", "host", "timeout
 
 _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_port", "side_channel_host",
               "side_channel_port", "advertised_host", "side_channel_secret_file", "insecure_side_channel",
-              "allowed_peer_hosts", "lease_s", "watchdog_s", "log_format", "log_level", "verify")
+              "allowed_peer_hosts", "lease_s", "watchdog_s", "log_format", "log_level", "verify", "gpu", "landing_mib",
+              "write_part_mib")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ ENV_CONFIG_PATH = "PUSHSVC_CONFIG"
 
 LOG_FORMATS = frozenset({"auto", "json", "console"})
 LOG_LEVELS = frozenset({"debug", "info", "warning", "error"})
+GPU_MODES = frozenset({"auto", "on", "off"})
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -99,6 +100,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: str = "info"
     # Digest every pushed block on P and check it on D (costs a hash pass over the KV).
     verify: bool = False
+    # GPU path (docs/gpu.md). "auto": CUDA support is loaded at start when the installed
+    # torch is a CUDA build; "on": required; "off": CUDA KV registrations are refused.
+    gpu: str = "auto"
+    # Landing buffer per consumer rank with CUDA KV (P WRITEs into it, D copies out);
+    # 0 = WRITEs go straight into the imported worker KV (0.4 GB/s on one H200).
+    landing_mib: int = 2048
+    # P splits a WRITE into a landing buffer into parts of about this size, so D copies
+    # early parts while later ones land (at most 32 parts); 0 = one WRITE.
+    write_part_mib: int = 16
 
     def resolve(self, env: Mapping[str, str] | None = None) -> Config:
         """Return a copy with derived defaults filled in; a resolved config is a fixed point."""
@@ -146,6 +156,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("log_format", f"must be one of {sorted(LOG_FORMATS)}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("log_level", f"must be one of {sorted(LOG_LEVELS)}")
+        if self.gpu not in GPU_MODES:
+            raise ConfigError("gpu", f"must be one of {sorted(GPU_MODES)}")
+        for name in ("landing_mib", "write_part_mib"):
+            if not 0 <= getattr(self, name) <= 1 << 20:
+                raise ConfigError(name, f"must be in 0..{1 << 20} MiB, got {getattr(self, name)}")
         if not self.nixl_backends or not all(self.nixl_backends):
             raise ConfigError("nixl_backends", "must name at least one backend, none empty")
         if any(uid < 0 for uid in self.allowed_uids):

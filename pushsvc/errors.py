@@ -70,3 +70,8 @@ class DaemonUnavailable(PushsvcError):
 class DaemonNotListening(DaemonUnavailable):
     """Nothing listens on the daemon's socket: the path does not exist (ENOENT) or no
     process accepts on it (ECONNREFUSED). Whatever daemon served it before is gone."""
+
+
+class DeviceError(PushsvcError):
+    """A CUDA driver or device operation failed (import, allocation, copy), or the GPU
+    path is not available in this process."""

@@ -56,6 +56,19 @@ class Metrics:
         self.events_dropped = Counter(
             "pushsvc_worker_events_dropped", "Worker events with no connection left to receive them, by type",
             ["type"], registry=r)
+        # GPU path (docs/gpu.md): D's landing space and its copies.
+        self.landing_waits = Counter(
+            "pushsvc_landing_waits", "Registrations that waited for landing space before their PUSH_REG", registry=r)
+        self.landing_wait_seconds = Histogram(
+            "pushsvc_landing_wait_seconds", "Registration to landing space granted (those that waited)",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.landing_copies = Counter("pushsvc_landing_copies", "Gather copies into worker KV (one per part)",
+                                      registry=r)
+        self.landing_exposed_seconds = Histogram(
+            "pushsvc_landing_exposed_seconds", "Last part landed to every copy into the worker's KV done",
+            buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1, 1),
+            registry=r)
+        self.write_parts = Counter("pushsvc_write_parts", "WRITEs posted, counting every part", registry=r)
         # process_open_fds, process_resident_memory_bytes, ...: leak checks read them.
         ProcessCollector(registry=r)
 
@@ -69,6 +82,16 @@ class Metrics:
         """Export ``pushsvc_table_entries{table}``, read from ``source`` once per scrape
         (tables change in many places; a gauge set eagerly went stale)."""
         self.registry.register(_GaugesCollector("pushsvc_table_entries", "Matching-table sizes", "table", source))
+
+    def watch_gpu(self, memory: Callable[[], dict[str, int]], slots: Callable[[], dict[str, int]]) -> None:
+        """``pushsvc_gpu_memory_bytes{kind}`` (imported, allocated) and
+        ``pushsvc_landing_slots{state}`` (total, used, queued), read at every scrape."""
+        self.registry.register(_GaugesCollector(
+            "pushsvc_gpu_memory_bytes", "GPU memory this daemon holds: imported from workers, allocated itself",
+            "kind", memory))
+        self.registry.register(_GaugesCollector(
+            "pushsvc_landing_slots", "Landing slots over every rank (total, used) and registrations waiting (queued)",
+            "state", slots))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -26,7 +26,7 @@ _STATES = {"DONE": XferState.DONE, "PROC": XferState.PROC, "ERR": XferState.ERR}
 _BACKENDS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
 
 
-def _torch_without_cuda() -> bool:
+def torch_without_cuda() -> bool:
     """Whether torch is missing or a build without CUDA, read off disk (no torch import)."""
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.origin:
@@ -48,7 +48,7 @@ def _nixl_api_module() -> str:
     # finds none on disk and imports all of torch to ask (2 s of CPU; 15 s on a 2-core host
     # busy with vLLM, all of it before a restarted daemon is ready), then takes the first
     # backend installed. The daemon never uses torch: take that backend directly.
-    if _torch_without_cuda():
+    if torch_without_cuda():
         for name in _BACKENDS:
             if importlib.util.find_spec(name) is not None:
                 return f"{name}._api"

@@ -22,6 +22,8 @@ import structlog
 
 from pushsvc import __version__
 from pushsvc.config import Config
+from pushsvc.devmem.base import DeviceMemory
+from pushsvc.devmem.load import load_device_memory
 from pushsvc.engine.base import Engine
 from pushsvc.metrics import Metrics
 from pushsvc.server.health import HealthServer
@@ -36,16 +38,19 @@ _FD_LIMIT_CAP = 1 << 20
 
 
 class Daemon:
-    def __init__(self, config: Config, engine: Engine | None = None) -> None:
+    def __init__(self, config: Config, engine: Engine | None = None, devmem: DeviceMemory | None = None) -> None:
         self.config = config
         if engine is None:
             from pushsvc.engine.nixl import NixlEngine
 
             engine = NixlEngine(config.nixl_backends, config.nixl_progress_thread)
+            # The real engine comes with the real device memory; tests pass their fakes.
+            devmem = load_device_memory(config.gpu)
         self.engine = engine
+        self.devmem = devmem
         self.daemon_id = uuid.uuid4().hex
         self.metrics = Metrics()
-        self.service = PushService(config, engine, self.metrics, self.daemon_id)
+        self.service = PushService(config, engine, self.metrics, self.daemon_id, devmem=devmem)
         self.progress = ProgressLoop(self.service.progress, config.poll_busy_interval_s, config.poll_idle_interval_s)
         self.service.wake = self.progress.wake
         self.workers = WorkerServer(
@@ -116,6 +121,8 @@ class Daemon:
         # Agents first, workers last: once the agents are closed nothing can land in the
         # workers' memory, and only then do the workers hear how their requests ended.
         await self.service.close()
+        if self.devmem is not None:
+            self.devmem.close()
         self.workers.close()
         await self.health.close()
         log.info("daemon_stopped")
@@ -171,7 +178,9 @@ class Daemon:
             "uptime_s": round(time.time() - self._started_at, 3),
             "agents": [
                 {"rank": r.number, "tp_size": r.tp_size, "role": r.role, "agent": r.agent.name,
-                 "registered": r.ready, "worker_connected": r.conn is not None}
+                 "registered": r.ready, "worker_connected": r.conn is not None,
+                 "mem_type": r.memory.mem_type if r.memory else None,
+                 "landing_slots": r.memory.landing.geometry.slots if r.memory and r.memory.landing else 0}
                 for r in self.service.ranks.current.values()
             ],
             "retiring_agents": [r.agent.name for r in self.service.ranks.retiring],
@@ -182,6 +191,9 @@ class Daemon:
             ],
             "tables": self.service.table_sizes(),
             "nixl_handles": self.service.nixl_handles(),
+            "gpu": None if self.devmem is None else {
+                "memory": self.devmem.name, **self.devmem.usage(),
+                "landing_slots": self.service.receiver.landing.slot_counts()},
             "open_fds": _open_fds(),
         }
 

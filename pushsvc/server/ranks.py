@@ -17,11 +17,12 @@ from typing import Protocol
 
 import numpy as np
 
+from pushsvc.devmem.base import Device, RowSpace, RowView
 from pushsvc.engine.base import Agent, DListHandle
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
 from pushsvc.server.remotes import RemoteAgents
-from pushsvc.shm import SharedBuffer
+from pushsvc.state.landing import CopyGeometry, LandingGeometry
 from pushsvc.state.layout import Layout, RegionSpec
 
 
@@ -34,25 +35,57 @@ class WorkerLink(Protocol):
     def send(self, msg: wp.DaemonMessage) -> None: ...
 
 
+class MappedBuffer(Protocol):
+    """Memory this daemon mapped or allocated: a memfd mapping, a CUDA import or allocation."""
+
+    address: int
+    size: int
+
+    def close(self) -> None: ...
+
+
+@dataclass(eq=False)
+class LandingMemory:
+    """D's landing buffer for a rank with CUDA KV (docs/gpu.md): allocated and registered
+    by this daemon, advertised to P instead of the worker's layout."""
+
+    buffer: MappedBuffer
+    geometry: LandingGeometry
+    layout: Layout  # the buffer as P addresses it
+    copy: CopyGeometry
+    dst: RowSpace  # the worker's KV as rows of ``copy.unit`` bytes from ``copy.origin``
+    src: RowSpace  # the landing buffer as rows
+
+
 @dataclass(eq=False)
 class RankMemory:
     """The worker's KV memory as this daemon mapped and registered it."""
 
-    buffers: list[SharedBuffer]
+    buffers: list[MappedBuffer]
     regions: list[wp.Region]
     layout: Layout
     descs: np.ndarray  # Nx3 (address, length, device) of every block, behind ``dlist``
-    dlist: DListHandle
+    dlist: DListHandle | None  # None where this rank never WRITEs (a consumer of CUDA KV)
     mem_type: str = "DRAM"
+    device: Device | None = None
+    view: RowView | None = None  # the worker's KV as device rows (digests on a GPU)
+    landing: LandingMemory | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(b.size for b in self.buffers)
 
+    @property
+    def advertised(self) -> Layout:
+        """The layout peers WRITE into: the landing buffer's, where there is one."""
+        return self.landing.layout if self.landing is not None else self.layout
+
     def close(self) -> None:
         for b in self.buffers:
             b.close()
         self.buffers.clear()
+        if self.landing is not None:
+            self.landing.buffer.close()
 
 
 @dataclass(eq=False)
@@ -71,7 +104,9 @@ class Rank:
         return self.memory is not None
 
     def agent_info(self) -> pp.AgentInfo:
-        assert self.memory is not None
+        memory = self.memory
+        assert memory is not None
+        layout = memory.advertised
         return pp.AgentInfo(
             rank=self.number,
             tp_size=self.tp_size,
@@ -79,11 +114,14 @@ class Rank:
             metadata=self.agent.metadata(),
             regions=[
                 pp.RegionInfo(base=s.base, block_len=s.block_len, num_blocks=s.num_blocks,
-                              block_stride=r.block_stride, group=s.group, layer_names=r.layer_names)
-                for s, r in zip(self.memory.layout.regions, self.memory.regions)
+                              block_stride=0 if s.stride == s.block_len else s.stride, group=s.group,
+                              layer_names=r.layer_names)
+                for s, r in zip(layout.regions, memory.regions)
             ],
-            blocks_per_logical=self.memory.layout.blocks_per_logical,
-            mem_type=self.memory.mem_type,
+            blocks_per_logical=layout.blocks_per_logical,
+            mem_type=memory.mem_type,
+            device=memory.device.ordinal if memory.device is not None else 0,
+            parts=memory.landing is not None,
         )
 
     def close(self) -> None:

@@ -8,6 +8,11 @@ known dead, or P has been lost for the grace (``state/consumer.py``).
 
 An empty registration only releases P's blocks (D's request ended before it was ever
 scheduled): its PUSH_REG goes out and nothing is tracked, nobody waits for an answer.
+
+A rank whose KV is on a GPU lands WRITEs in a buffer of its own (``landing.py``): a
+registration first takes landing slots (and may wait for them), its PUSH_REG names the
+slots, each landed part is copied into the worker's blocks, and every final event goes
+through ``_settle``, which holds it until no copy into the request's blocks is in flight.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
+from pushsvc.server.landing import Action, Landing, PartOutcome
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
 from pushsvc.server.tasks import TaskSet
-from pushsvc.server.verify import count_mismatches, digest_blocks
+from pushsvc.server.verify import count_mismatches, digest_memory
 from pushsvc.state.consumer import (
     CompletionOutcome,
     ConsumerTable,
@@ -39,6 +45,7 @@ from pushsvc.state.consumer import (
     RecvState,
     Remote,
 )
+from pushsvc.state.landing import AllocOutcome
 from pushsvc.state.layout import check_block_ids, dest_indices
 
 log = structlog.get_logger("pushsvc.receiver")
@@ -69,6 +76,7 @@ class Receiver:
         self._tasks = tasks
         self._wake = wake
         self._tables: dict[Rank, ConsumerTable] = {}
+        self.landing = Landing(metrics=metrics, now=self._now, granted=self._granted)
 
     def _of(self, rank: Rank) -> ConsumerTable:
         table = self._tables.get(rank)
@@ -107,11 +115,32 @@ class Receiver:
             return
         entry = table.add(rid, msg.local_block_ids, remote, self._now(), msg.match_key)
         assert entry is not None  # duplicates were answered above
-        peer = self._peers.find_engine(remote.engine_id)
+        if self.landing.active(rank):
+            outcome, why = self.landing.reserve(rank, rid, msg.local_block_ids)
+            if outcome is AllocOutcome.TOO_LARGE:
+                self._fail(rank, rid, "landing_too_small", why)
+                self._release(rank, msg, remote)  # P frees its blocks now, not at its lease
+                return
+            if outcome is AllocOutcome.QUEUED:
+                self._wake()
+                return  # its PUSH_REG goes out when ``_granted`` hears of its slots
+        self._dispatch(rank, entry)
+
+    def _dispatch(self, rank: Rank, entry: PendingRecv) -> None:
+        peer = self._peers.find_engine(entry.remote.engine_id)
         if peer is not None:
             self._send_push_reg(rank, entry, peer)
         else:
             self._tasks.spawn(self._register_with_peer(rank, entry))
+
+    def _granted(self, rank: Rank, rid: str, waited_s: float) -> None:
+        """A registration that waited for landing space has its slots now."""
+        entry = self._of(rank).pending.get(rid)
+        if entry is None or entry.state is not RecvState.PENDING:
+            return
+        self._metrics.landing_wait_seconds.observe(waited_s)
+        log.info("landing_granted", request_id=rid, rank=rank.number, waited_s=round(waited_s, 6))
+        self._dispatch(rank, entry)
 
     def _refusal(self, rank: Rank, msg: wp.RegisterRecv, predecessors: list[Rank]) -> str:
         if rank.memory is None:
@@ -123,9 +152,11 @@ class Receiver:
         except LayoutError as exc:
             return str(exc)
         for r in [rank, *predecessors]:
-            held = self._of(r).holder(msg.local_block_ids)
+            held = self._of(r).holder(msg.local_block_ids) or self.landing.holder(r, msg.local_block_ids)
             if held is not None:
                 return f"registration: block {held[0]} is held by live request {held[1]}"
+        if self.landing.tracks(rank, msg.request_id):
+            return "registration: the request id's previous registration is still landing"
         return ""
 
     def _release(self, rank: Rank, msg: wp.RegisterRecv, remote: Remote) -> None:
@@ -175,13 +206,16 @@ class Receiver:
         if target is None:
             raise HandshakeError(f"peer {peer.engine_id} has no rank {rank.number}")
         s = self._settings
+        # A landing rank's registration names its landing slots, which P WRITEs into.
+        blocks = self.landing.slot_ids(rank, entry.request_id) if self.landing.tracks(
+            rank, entry.request_id) else entry.block_ids
         reg = notif.PushReg(
             request_id=entry.request_id,
             decode_engine_id=s.engine_id,
             decode_host=s.advertised_host,
             decode_port=self._peers.port,
             decode_tp_size=rank.tp_size,
-            local_block_ids=entry.block_ids,
+            local_block_ids=blocks,
             remote_engine_id=entry.remote.engine_id,
             remote_host=entry.remote.host,
             remote_port=entry.remote.port,
@@ -209,8 +243,8 @@ class Receiver:
             log.info("recv_cancelled", request_id=rid, rank=rank.number, peer=entry.remote.engine_id,
                      waiting_for_p=outcome is not EvictOutcome.FINAL, outcome=outcome.value)
             if outcome is EvictOutcome.FINAL:
-                self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
-                                                      reason="cancelled"))
+                self._tell_final(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
+                                                     reason="cancelled"))
             elif outcome is EvictOutcome.CANCEL:
                 self._request_cancel(rank, entry)
             return
@@ -227,7 +261,7 @@ class Receiver:
 
     def on_completion(self, rank: Rank, sender: str, payload: bytes) -> None:
         try:
-            rid, _tp = notif.decode_completion(payload)
+            rid, _tp, index, parts = notif.decode_notification(payload)
         except ProtocolError as exc:
             self._malformed("notification", "completion", sender, exc)
             return
@@ -237,6 +271,19 @@ class Receiver:
             self._malformed("notification", "foreign_completion", sender,
                             ProtocolError("sender is not the agent the registration went to"))
             return
+        if self.landing.active(rank) and entry is not None:
+            # Copied only while the registration is live: never into withdrawn blocks.
+            landed = self.landing.part_landed(rank, rid, index, parts, copy=entry.state is RecvState.SENT)
+            if landed is PartOutcome.MALFORMED:
+                self._malformed("notification", "part", sender, ProtocolError(f"part {index} of {parts} again"))
+                return
+            if landed is PartOutcome.MORE:
+                self._metrics.notifications.labels("part").inc()
+                self._wake()
+                return
+        elif parts > 1:
+            self._malformed("notification", "part", sender, ProtocolError("parts for a rank without landing"))
+            return
         outcome, entry = table.on_completion(rid, sender, self._now())
         if outcome is CompletionOutcome.UNKNOWN or entry is None:
             self._metrics.notifications.labels("late_completion").inc()
@@ -245,12 +292,14 @@ class Receiver:
         self._metrics.notifications.labels("completion").inc()
         log.debug("completion", request_id=rid, peer=sender, outcome=outcome.value)
         if outcome is CompletionOutcome.CANCELLED:
-            self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
-                                                  reason=table.final_reason(entry, settled=True)))
+            self._tell_final(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
+                                                 reason=table.final_reason(entry, settled=True)))
         elif outcome is CompletionOutcome.DONE:
-            self._done(rank, entry)
+            landed = entry
+            self._settle(rank, rid, lambda error: self._done(rank, landed, error))
         elif outcome is CompletionOutcome.VERIFY:
-            self._verified(rank, entry)
+            landed = entry
+            self._settle(rank, rid, lambda error: self._verified(rank, landed, error))
 
     def write_started(self, peer: Peer, msg: pp.WriteStarted, ranks: list[Rank]) -> None:
         for rank in ranks:
@@ -259,7 +308,7 @@ class Receiver:
                 continue
             landed = table.announce(msg.request_id, peer.daemon_id, msg.digests, self._now())
             if landed is not None:  # the completion overtook the digests
-                self._verified(rank, landed)
+                self._settle(rank, msg.request_id, lambda error: self._verified(rank, landed, error))
             else:
                 log.debug("write_announced", request_id=msg.request_id, peer=peer.engine_id, bytes=msg.nbytes)
                 self._wake()
@@ -280,18 +329,42 @@ class Receiver:
             if entry is None or entry.state is not RecvState.CANCELLING:
                 continue  # the WRITE's completion got here first: already final
             table.fail(msg.request_id)
-            self._outbox.tell(rank, wp.RecvFailed(request_id=msg.request_id, block_ids=entry.flat_block_ids,
-                                                  reason=table.final_reason(entry, settled=True)))
+            self._tell_final(rank, wp.RecvFailed(request_id=msg.request_id, block_ids=entry.flat_block_ids,
+                                                 reason=table.final_reason(entry, settled=True)))
             return
 
     # ------------------------------------------------------------------ endings
 
-    def _done(self, rank: Rank, entry: PendingRecv) -> None:
+    def _settle(self, rank: Rank, rid: str, action: Action) -> None:
+        """``rid`` is final: ``action`` tells the worker, once no copy into its blocks is in
+        flight (at once where nothing is landing for it)."""
+        if self.landing.active(rank):
+            self.landing.finish(rank, rid, action)
+        else:
+            action("")
+
+    def _tell_final(self, rank: Rank, event: wp.RecvFailed) -> None:
+        self._settle(rank, event.request_id, lambda _error: self._outbox.tell(rank, event))
+
+    def _done(self, rank: Rank, entry: PendingRecv, copy_error: str = "") -> None:
+        if copy_error:
+            self._copy_failed(rank, entry, copy_error)
+            return
         self._metrics.recv_seconds.observe(self._now() - entry.registered_at)
+        log.debug("recv_done", request_id=entry.request_id, rank=rank.number)
         self._outbox.tell(rank, wp.RecvDone(request_id=entry.request_id))
 
-    def _verified(self, rank: Rank, entry: PendingRecv) -> None:
+    def _copy_failed(self, rank: Rank, entry: PendingRecv, error: str) -> None:
+        self._metrics.failures.labels("landing_copy").inc()
+        log.error("recv_failed", request_id=entry.request_id, rank=rank.number, kind="landing_copy", error=error)
+        self._outbox.tell(rank, wp.RecvFailed(request_id=entry.request_id, block_ids=entry.flat_block_ids,
+                                              reason=f"landing_copy: {error}"))
+
+    def _verified(self, rank: Rank, entry: PendingRecv, copy_error: str = "") -> None:
         """Every WRITE landed and P's digests are here: compare D's blocks with them."""
+        if copy_error:
+            self._copy_failed(rank, entry, copy_error)
+            return
         error = self._verify(rank, entry, entry.digests or b"")
         if not error:
             self._done(rank, entry)
@@ -308,7 +381,8 @@ class Receiver:
             self._metrics.verified.labels("missing").inc()
             return "P sent no digests (is P's daemon running with verify on?)"
         assert rank.memory is not None
-        actual = digest_blocks(rank.memory.descs, dest_indices(rank.memory.layout, entry.block_ids))
+        memory = rank.memory
+        actual = digest_memory(memory.descs, dest_indices(memory.layout, entry.block_ids), memory.view)
         bad = count_mismatches(expected, actual)
         total = len(actual) // 8
         self._metrics.verified_blocks.labels("mismatch").inc(bad)
@@ -323,8 +397,8 @@ class Receiver:
         self._metrics.failures.labels(kind).inc()
         log.warning("recv_failed", request_id=rid, rank=rank.number, peer=entry.remote.engine_id, kind=kind,
                     error=reason)
-        self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
-                                              reason=f"{kind}: {reason}"))
+        self._tell_final(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
+                                             reason=reason if kind == "landing_too_small" else f"{kind}: {reason}"))
 
     def _final(self, rank: Rank, exp: RecvExpiry) -> None:
         entry = exp.entry
@@ -335,8 +409,8 @@ class Receiver:
             self._metrics.verified.labels("missing").inc()
         log.warning("recv_failed", request_id=entry.request_id, rank=rank.number, peer=entry.remote.engine_id,
                     kind=exp.kind, error=exp.reason)
-        self._outbox.tell(rank, wp.RecvFailed(request_id=entry.request_id, block_ids=entry.flat_block_ids,
-                                              reason=exp.reason))
+        self._tell_final(rank, wp.RecvFailed(request_id=entry.request_id, block_ids=entry.flat_block_ids,
+                                             reason=exp.reason))
 
     def _request_cancel(self, rank: Rank, entry: PendingRecv) -> None:
         peer = self._peers.find_engine(entry.remote.engine_id)
@@ -391,8 +465,9 @@ class Receiver:
     # ------------------------------------------------------------------ views
 
     def settled(self, rank: Rank) -> bool:
+        """Nothing can land in or be copied into ``rank``'s memory any more."""
         table = self._tables.get(rank)
-        return table is None or not table.unsettled
+        return (table is None or not table.unsettled) and not self.landing.busy(rank)
 
     def unsettled(self) -> int:
         """Registrations P may still write into, over every rank."""
@@ -401,11 +476,12 @@ class Receiver:
 
     def busy(self, rank: Rank) -> bool:
         table = self._tables.get(rank)
-        return table is not None and table.busy
+        return (table is not None and table.busy) or self.landing.busy(rank)
 
     def hot(self, rank: Rank, now: float, hot_max_s: float) -> bool:
+        """A WRITE into ``rank`` is moving, or a copy into its worker's KV."""
         table = self._tables.get(rank)
-        return table is not None and table.hot(now, hot_max_s)
+        return (table is not None and table.hot(now, hot_max_s)) or self.landing.hot(rank)
 
     def sizes(self, rank: Rank) -> dict[str, int]:
         table = self._tables.get(rank)
@@ -417,15 +493,21 @@ class Receiver:
 
     def abandon(self, rank: Rank, reason: str) -> None:
         """The daemon stops with ``rank``'s agent closed (nothing can land any more):
-        report every registration still tracked."""
+        report every registration still tracked, once the copies into its blocks are done."""
+        self.landing.abandon(rank)
         table = self._tables.get(rank)
         for rid in list(table.pending) if table is not None else ():
             entry = table.fail(rid)
-            assert entry is not None
-            self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids, reason=reason))
+            if entry is not None:
+                self._tell_final(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids, reason=reason))
+
+    def poll(self) -> None:
+        """Copies into workers' KV that finished release the events they held."""
+        self.landing.poll()
 
     def forget(self, rank: Rank) -> None:
         self._tables.pop(rank, None)
+        self.landing.forget(rank)
 
     def _malformed(self, source: str, reason: str, sender: str, exc: Exception) -> None:
         self._metrics.malformed.labels(source, reason).inc()

@@ -64,7 +64,8 @@ class RemoteAgents:
             loaded = self._agent.add_remote(info.metadata)
             if loaded != name:
                 raise TransferError(f"metadata names agent {loaded}, hello said {name}")
-            self._dlists[name] = self._agent.prep_remote(name, descriptor_table(layout_of_agent(info)), info.mem_type)
+            self._dlists[name] = self._agent.prep_remote(name, descriptor_table(layout_of_agent(info), info.device),
+                                                         info.mem_type)
             self._verdicts.pop(name, None)
         except (TransferError, LayoutError, MemoryError) as exc:
             if loaded and loaded not in self._dlists:

@@ -33,8 +33,9 @@ from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
 from pushsvc.server.remotes import registration_error
 from pushsvc.server.tasks import TaskSet
-from pushsvc.server.verify import digest_blocks
-from pushsvc.state.layout import check_block_ids, plan_write
+from pushsvc.server.verify import digest_memory
+from pushsvc.state.landing import parts_for
+from pushsvc.state.layout import check_block_ids, plan_write, split_plan
 from pushsvc.state.producer import (
     ExpiryKind,
     Match,
@@ -56,24 +57,27 @@ class SendSettings:
     max_notif_bytes: int
     verify: bool
     unverified_ttl_s: float  # how long a PUSH_REG from an unannounced agent may wait
+    part_bytes: int = 0  # WRITEs into a landing buffer go in parts of about this size
 
     @classmethod
     def of(cls, config: Config) -> SendSettings:
         return cls(config.engine_id, config.lease_s, config.registration_ttl_s, config.max_notif_bytes, config.verify,
-                   config.handshake_timeout_s)
+                   config.handshake_timeout_s, config.write_part_mib << 20)
 
 
 @dataclass(slots=True, eq=False)
 class Write:
-    """A posted WRITE. Its blocks stay leased until the handle settles."""
+    """A posted WRITE, in one or more parts. Its blocks stay leased until every part's
+    handle settled."""
 
     match: Match
-    handle: XferHandle
+    handles: list[XferHandle]  # the parts not settled yet
     remote_agent: str
     nbytes: int
     posted_at: float  # loop time
     started: float  # perf_counter() just before the post
     cancelled: bool = False  # D withdrew the registration: acknowledge once settled
+    failed: str = ""  # why a part failed (to post, or in NIXL): the push fails once all settled
 
 
 @dataclass(eq=False)
@@ -109,6 +113,7 @@ class Sender:
     def on_send_ready(self, rank: Rank, msg: wp.SendReady) -> None:
         state = self._of(rank)
         rid = msg.request_id
+        log.debug("send_ready", request_id=rid, rank=rank.number)
         if state.table.tracks(rid):
             # Before the block check: refusing it would fail the live request, and its
             # worker would free blocks a WRITE may still be reading.
@@ -299,36 +304,80 @@ class Sender:
             self._fail_push(rank, match, peer, "layout_mismatch", "D's agent or P's KV memory is gone")
             return
         try:
+            if memory.dlist is None:
+                raise LayoutError("this rank's KV memory was registered to receive only")
             remote = rank.remotes.layout(target, memory.layout)
             plan = plan_write(memory.layout, remote, match.block_ids, reg.local_block_ids)
-            completion = notif.encode_completion(reg.request_id, rank.tp_size)
             if not len(plan.src_indices):
                 raise LayoutError("D's registration names no block of P's layout")
-            digests = digest_blocks(memory.descs, plan.src_indices) if self._settings.verify else b""
-            # Wall clock, not loop.time(): uvloop caches the loop's time per iteration,
-            # and a WRITE over shared memory may complete inside this very call.
-            started = time.perf_counter()
-            handle, xstate = rank.agent.write(memory.dlist, plan.src_indices, rank.remotes.dlist(target.agent_name),
-                                              plan.dst_indices, completion)
+            # A landing D copies each part out as it lands; others get one WRITE.
+            parts = parts_for(plan.nbytes, self._settings.part_bytes, plan.region_count) if (
+                target.parts and peer.minor >= pp.PARTS_MINOR) else 1
+            digests = digest_memory(memory.descs, plan.src_indices, memory.view) if self._settings.verify else b""
         except LayoutError as exc:
             self._fail_push(rank, match, peer, "layout_mismatch", str(exc))
             return
-        except TransferError as exc:
-            self._fail_push(rank, match, peer, "write_submit_failed", str(exc))
+        # Wall clock, not loop.time(): uvloop caches the loop's time per iteration, and a
+        # WRITE over shared memory may complete inside this very call.
+        started = time.perf_counter()
+        handles, states, failed = self._post(rank, memory.dlist, target.agent_name, plan, parts, reg.request_id)
+        if not handles:
+            self._fail_push(rank, match, peer, "write_submit_failed", failed)
             return
         now = self._now()
         self._metrics.match_wait_seconds.observe(now - match.staged.staged_at)
-        write = Write(match, handle, target.agent_name, plan.nbytes, now, started)
+        write = Write(match, handles, target.agent_name, plan.nbytes, now, started, failed=failed and
+                      f"write_submit_failed: {failed}")
         self._of(rank).writes[match.request_id] = write
         self._metrics.transfer_blocks.inc(plan.logical_blocks)
         log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=plan.nbytes,
-                  descriptors=len(plan.src_indices))
-        if xstate is XferState.PROC or digests:
+                  descriptors=len(plan.src_indices), parts=len(handles))
+        if XferState.PROC in states or digests:
             self._peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank,
                                                    nbytes=plan.nbytes, digests=digests))
-        if xstate is not XferState.PROC:
-            self._settle(rank, write, xstate)
+        self._settle_parts(rank, write, states)
         self._wake()
+
+    def _post(self, rank: Rank, local, remote_agent: str, plan, parts: int, rid: str) -> tuple[
+            list[XferHandle], list[XferState], str]:
+        """Post the WRITE's parts, each with its notification; stop at the first that
+        fails to post (those posted land and settle as usual). Returns the handles, their
+        first states and why posting stopped ("" if it did not)."""
+        handles: list[XferHandle] = []
+        states: list[XferState] = []
+        tp = rank.tp_size
+        remote = rank.remotes.dlist(remote_agent)
+        for i, piece in enumerate(split_plan(plan, parts)):
+            note = notif.encode_part(rid, tp, i, parts) if parts > 1 else notif.encode_completion(rid, tp)
+            try:
+                if not len(piece.src_indices):  # D registered no block of these regions' group
+                    rank.agent.send_notif(remote_agent, note)
+                    continue
+                handle, xstate = rank.agent.write(local, piece.src_indices, remote, piece.dst_indices, note)
+            except TransferError as exc:
+                return handles, states, str(exc)
+            handles.append(handle)
+            states.append(xstate)
+            self._metrics.write_parts.inc()
+        return handles, states, ""
+
+    def _settle_parts(self, rank: Rank, write: Write, states: list[XferState]) -> None:
+        """Release the parts of ``write`` that ``states`` says settled; once none is left,
+        settle the WRITE."""
+        pending = []
+        for handle, xstate in zip(write.handles, states):
+            if xstate is XferState.PROC:
+                pending.append(handle)
+                continue
+            if xstate is not XferState.DONE and not write.failed:
+                write.failed = "write_failed: NIXL reported the WRITE failed"
+            try:
+                rank.agent.release(handle)
+            except TransferError as exc:
+                log.warning("write_release_failed", request_id=write.match.request_id, error=str(exc))
+        write.handles = pending
+        if not pending:
+            self._settle(rank, write)
 
     def _released(self, rank: Rank, rid: str, reason: str) -> None:
         """D released P's request (its own ended before it was scheduled): the blocks are
@@ -343,29 +392,25 @@ class Sender:
         if state is None:
             return
         for write in list(state.writes.values()):
-            xstate = rank.agent.state(write.handle)
-            if xstate is not XferState.PROC:
-                self._settle(rank, write, xstate)
+            self._settle_parts(rank, write, [rank.agent.state(h) for h in write.handles])
 
-    def _settle(self, rank: Rank, write: Write, xstate: XferState) -> None:
+    def _settle(self, rank: Rank, write: Write) -> None:
         rid = write.match.request_id
         state = self._of(rank)
         del state.writes[rid]
-        try:
-            rank.agent.release(write.handle)
-        except TransferError as exc:
-            log.warning("write_release_failed", request_id=rid, error=str(exc))
         seconds = time.perf_counter() - write.started
-        log.debug("write_settled", request_id=rid, state=xstate.value, seconds=round(seconds, 6))
-        if xstate is XferState.DONE:
+        log.debug("write_settled", request_id=rid, state="ERR" if write.failed else "DONE", error=write.failed or None,
+                  seconds=round(seconds, 6))
+        if not write.failed:
             state.table.finish(rid, self._now())
             self._metrics.transfers.labels("done").inc()
             self._metrics.transfer_bytes.inc(write.nbytes)
             self._metrics.transfer_seconds.observe(seconds)
             self._outbox.tell(rank, wp.SendDone(request_id=rid))
         else:
-            self._fail_push(rank, write.match, self._peers.find_agent(write.remote_agent), "write_failed",
-                            "NIXL reported the WRITE failed", notify_remote=not write.cancelled)
+            kind, _, reason = write.failed.partition(": ")
+            self._fail_push(rank, write.match, self._peers.find_agent(write.remote_agent), kind, reason,
+                            notify_remote=not write.cancelled)
         if write.cancelled:
             self._ack_cancel(write.match.registration)
 
@@ -504,10 +549,11 @@ class Sender:
         shutdown, after the drain, can any be left)."""
         state = self._ranks.pop(rank, None)
         for write in state.writes.values() if state else ():
-            try:
-                rank.agent.release(write.handle)
-            except TransferError:
-                pass
+            for handle in write.handles:
+                try:
+                    rank.agent.release(handle)
+                except TransferError:
+                    pass
 
     def _malformed(self, reason: str, sender: str, exc: Exception) -> None:
         self._metrics.malformed.labels("notification", reason).inc()

@@ -10,15 +10,15 @@ and reach peers through the ``PeerManager``. Decisions live in the pure tables
 
 from __future__ import annotations
 
-import fcntl
 import uuid
 from collections.abc import Callable
 
 import structlog
 
-from pushsvc.config import Config, read_secret_file
+from pushsvc.config import MiB, Config, read_secret_file
+from pushsvc.devmem.base import DeviceMemory
 from pushsvc.engine.base import Engine
-from pushsvc.errors import LayoutError, ProtocolError, TransferError
+from pushsvc.errors import ProtocolError, TransferError
 from pushsvc.metrics import Metrics
 from pushsvc.peer_hosts import PeerHostPolicy
 from pushsvc.protocol import notif
@@ -27,13 +27,13 @@ from pushsvc.protocol import worker as wp
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerManager, PeerSettings
 from pushsvc.server.progress import Pace
-from pushsvc.server.ranks import Rank, RankMemory, RankRegistry, WorkerLink, layout_from_regions
+from pushsvc.server.kvmemory import MemorySettings, map_kv
+from pushsvc.server.ranks import Rank, RankRegistry, WorkerLink
 from pushsvc.server.receiver import ReceiveSettings, Receiver
 from pushsvc.server.remotes import RemoteAgents
 from pushsvc.server.sender import Sender, SendSettings
 from pushsvc.server.tasks import TaskSet
-from pushsvc.shm import SharedBuffer
-from pushsvc.state.layout import MAX_DESCRIPTORS, descriptor_table
+from pushsvc.state.layout import MAX_DESCRIPTORS
 
 log = structlog.get_logger("pushsvc.service")
 
@@ -42,9 +42,12 @@ _TABLES = ("p_registrations", "p_staged", "p_writing", "d_pending", "inflight")
 
 
 class PushService:
-    def __init__(self, config: Config, engine: Engine, metrics: Metrics, daemon_id: str | None = None) -> None:
+    def __init__(self, config: Config, engine: Engine, metrics: Metrics, daemon_id: str | None = None, *,
+                 devmem: DeviceMemory | None = None) -> None:
         self.config = config
         self.engine = engine
+        self.devmem = devmem
+        self._memory_settings = MemorySettings(landing_bytes=config.landing_mib * MiB)
         self.metrics = metrics
         self.daemon_id = daemon_id or uuid.uuid4().hex
         self.ranks = RankRegistry()
@@ -77,6 +80,8 @@ class PushService:
         metrics.watch_nixl_handles(self.nixl_handles)
         metrics.watch_tables(self.table_sizes)
         metrics.inflight_writes.set_function(self.writes_in_flight)
+        if devmem is not None:
+            metrics.watch_gpu(devmem.usage, self.receiver.landing.slot_counts)
 
     def _wake(self) -> None:
         self.wake()
@@ -135,43 +140,20 @@ class PushService:
     def register_kv(self, rank: Rank, msg: wp.RegisterKV, fds: list[int]) -> wp.KVRegistered:
         if rank.memory is not None:
             raise ProtocolError("KV memory is already registered for this rank")
-        if not isinstance(msg.memory, wp.MemfdBuffers):
-            raise ProtocolError("daemon-owned GPU arenas need a CUDA build of the daemon")
-        if len(fds) != msg.memory.count:
-            raise ProtocolError(f"expected {msg.memory.count} fds, got {len(fds)}")
-        descriptors = sum(r.num_blocks for r in msg.regions)
-        if descriptors > MAX_DESCRIPTORS:
-            # Each block of each region becomes a NIXL descriptor held in memory.
-            raise LayoutError(f"{descriptors} blocks across regions exceed the limit of {MAX_DESCRIPTORS}")
-        for fd in fds:
-            _require_sealed(fd)
-        buffers: list[SharedBuffer] = []
-        try:
-            for fd in fds:
-                buffers.append(SharedBuffer.attach(fd))
-            fds.clear()  # owned by the buffers now
-            for r in msg.regions:
-                if r.buffer >= len(buffers):
-                    raise LayoutError(f"region names buffer {r.buffer}, only {len(buffers)} sent")
-                end = r.offset + (r.num_blocks - 1) * r.stride + r.block_len
-                if end > buffers[r.buffer].size:
-                    raise LayoutError(f"region ends at {end}, past buffer {r.buffer} of {buffers[r.buffer].size} bytes")
-            rank.agent.register([(b.address, b.size) for b in buffers], "DRAM")
-            layout = layout_from_regions(msg.regions, [b.address for b in buffers], msg.blocks_per_logical)
-            descs = descriptor_table(layout)
-            dlist = rank.agent.prep_local(descs, "DRAM")
-        except BaseException:
-            for b in buffers:
-                b.close()
-            raise
-        rank.memory = RankMemory(buffers, list(msg.regions), layout, descs, dlist)
+        rank.memory = memory = map_kv(msg, fds, agent=rank.agent, role=rank.role, devmem=self.devmem,
+                                      settings=self._memory_settings)
+        slots = memory.landing.geometry.slots if memory.landing is not None else 0
+        if slots:
+            self.receiver.landing.attach(rank)
         log.info("kv_registered", rank=rank.number, agent=rank.agent.name, regions=len(msg.regions),
-                 bytes=rank.memory.nbytes)
+                 bytes=memory.nbytes, mem_type=memory.mem_type, landing_slots=slots)
         # Peers that already know us learn about the new agent; we learn theirs.
         self.peers.broadcast(pp.AgentsUpdate(agents=[rank.agent_info()]))
         for peer in list(self.peers.peers.values()):
             self._load_agents(peer, list(peer.agents.values()), [rank])
-        return wp.KVRegistered(agent_name=rank.agent.name, regions=len(msg.regions), bytes=rank.memory.nbytes)
+        return wp.KVRegistered(agent_name=rank.agent.name, regions=len(msg.regions), bytes=memory.nbytes,
+                               mem_type=memory.mem_type if rank.conn is None or rank.conn.minor >= 2 else "",
+                               landing_slots=slots if rank.conn is None or rank.conn.minor >= 2 else 0)
 
     def on_worker_message(self, rank: Rank, msg: wp.WorkerMessage) -> None:
         self.metrics.worker_messages.labels(type(msg).__name__).inc()
@@ -286,6 +268,8 @@ class PushService:
         for rank in ranks:
             self.drain_notifs(rank)
             self.sender.poll(rank)
+        self.receiver.poll()
+        for rank in ranks:
             busy = self.sender.writes_to(rank)
             for name in rank.remotes.names():
                 if name not in busy and self.peers.find_agent(name) is None:
@@ -362,13 +346,3 @@ class PushService:
     def __repr__(self) -> str:
         return f"<PushService {self.config.engine_id} ranks={sorted(self.ranks.current)} {self.table_sizes()}>"
 
-
-def _require_sealed(fd: int) -> None:
-    """A memfd whose size can shrink would make our mapping SIGBUS the daemon when the
-    worker truncates it: only memfds sealed with F_SEAL_SHRINK are mapped."""
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        raise ProtocolError("KV memory must be a memfd (it cannot be sealed)") from None
-    if not seals & fcntl.F_SEAL_SHRINK:
-        raise ProtocolError("KV memfd is not sealed against shrinking (add F_SEAL_SHRINK before sending it)")

@@ -2,8 +2,10 @@
 
 P's daemon digests every source block of a WRITE (xxh3-64, in the order the WRITE pairs
 blocks) and sends the digests with ``WriteStarted``; when the completion arrives, D's
-daemon digests its destination blocks in the same order and compares. Both daemons read
-the blocks through their own mapping of the workers' shared KV memory, without copying.
+daemon digests its destination blocks in the same order and compares. On CPU both daemons
+read the blocks through their own mapping of the workers' shared KV memory, without
+copying; on a GPU they read them through bounded host copies (``HOST_COPY_BYTES`` at a
+time, gathered on the device), D after its landing copy, so the check covers it too.
 A mismatch fails the request and is counted; so is a WRITE whose digests never came.
 """
 
@@ -13,6 +15,39 @@ import ctypes
 
 import numpy as np
 import xxhash
+
+from pushsvc.devmem.base import RowView
+
+HOST_COPY_BYTES = 64 << 20
+
+
+def digest_memory(descs: np.ndarray, indices: np.ndarray, view: RowView | None) -> bytes:
+    """Digests of the blocks ``descs[indices]``: in host memory, or on the device of ``view``."""
+    return digest_blocks(descs, indices) if view is None else digest_device_blocks(view, descs, indices)
+
+
+def digest_device_blocks(view: RowView, descs: np.ndarray, indices: np.ndarray) -> bytes:
+    out = np.empty(len(indices), dtype="<u8")
+    i = 0
+    while i < len(indices):
+        rows: list[np.ndarray] = []
+        sizes: list[int] = []
+        total = 0
+        j = i
+        while j < len(indices) and (not sizes or total + int(descs[indices[j]][1]) <= HOST_COPY_BYTES):
+            addr, length, _ = (int(x) for x in descs[indices[j]])
+            first = (addr - view.origin) // view.unit
+            rows.append(np.arange(first, first + length // view.unit, dtype=np.int64))
+            sizes.append(length)
+            total += length
+            j += 1
+        data = view.device.read_rows(view.space, np.concatenate(rows))
+        at = 0
+        for k, length in enumerate(sizes):
+            out[i + k] = xxhash.xxh3_64_intdigest(data[at:at + length].tobytes())
+            at += length
+        i = j
+    return out.tobytes()
 
 
 def digest_blocks(descs: np.ndarray, indices: np.ndarray) -> bytes:

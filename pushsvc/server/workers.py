@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import msgspec
 import structlog
 
-from pushsvc.errors import LayoutError, ProtocolError, TransferError
+from pushsvc.errors import DeviceError, LayoutError, ProtocolError, TransferError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import worker as wp
 from pushsvc.protocol.framing import DECODE_ERRORS, PREAMBLE, FrameBuffer, check_preamble, encode_preamble, frame
@@ -139,7 +139,7 @@ class WorkerConn:
         request_id = getattr(msg, "request_id", "")
         try:
             self._advance(msg)
-        except (ProtocolError, LayoutError, TransferError, OSError) as exc:
+        except (ProtocolError, LayoutError, TransferError, DeviceError, OSError) as exc:
             self._reject(type(exc).__name__, str(exc), fatal=self.state is ConnState.HELLO, request_id=request_id)
         except Exception as exc:
             # A bug here must cost one message, not the daemon: log it with its

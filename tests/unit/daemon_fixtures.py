@@ -62,10 +62,12 @@ def daemon_config(runtime_dir: str, engine_id: str, **overrides: Any) -> Config:
 
 
 @contextlib.asynccontextmanager
-async def running_daemon(engine: FakeEngine, engine_id: str, **overrides: Any) -> AsyncIterator[Daemon]:
-    """A started daemon with its runtime dir under a short /tmp path; shut down on exit."""
+async def running_daemon(engine: FakeEngine, engine_id: str, *, devmem: Any = None,
+                         **overrides: Any) -> AsyncIterator[Daemon]:
+    """A started daemon with its runtime dir under a short /tmp path; shut down on exit.
+    ``devmem``: the device memory it gets (``devmem.fake``), none by default."""
     base = tempfile.mkdtemp(prefix="ps")
-    daemon = Daemon(daemon_config(f"{base}/rt", engine_id, **overrides), engine=engine)
+    daemon = Daemon(daemon_config(f"{base}/rt", engine_id, **overrides), engine=engine, devmem=devmem)
     try:
         await daemon.startup()
         yield daemon

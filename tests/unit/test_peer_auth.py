@@ -111,7 +111,7 @@ def test_auth_messages_reject_invalid(raw: dict[str, Any]) -> None:
 
 
 def test_minor_bumped_for_auth_messages() -> None:
-    assert (pp.MAJOR, pp.MINOR) == (1, 2) and pp.AUTH_MINOR == 1 and pp.MATCH_KEY_MINOR == 2
+    assert (pp.MAJOR, pp.MINOR) == (1, 3) and pp.AUTH_MINOR == 1 and pp.MATCH_KEY_MINOR == 2 and pp.PARTS_MINOR == 3
 
 
 # ---------------------------------------------------------------- the secret file

@@ -1,0 +1,153 @@
+"""A worker's ``RegisterKV``, made into a ``RankMemory``: its buffers mapped, its regions
+checked against them, registered with the rank's NIXL agent, and on a GPU consumer the
+landing buffer allocated (docs/gpu.md).
+
+CPU: memfds sealed against shrinking, mapped whole, registered as DRAM. GPU: CUDA IPC
+handles opened on the device with the worker's UUID, registered as VRAM where this rank
+WRITEs from them; a consumer rank gets a landing buffer of its own, which is what peers
+WRITE into. Everything acquired is given back if any step fails.
+"""
+
+from __future__ import annotations
+
+import fcntl
+from dataclasses import dataclass
+
+import structlog
+
+from pushsvc.devmem.base import Device, DeviceMemory, RowView
+from pushsvc.engine.base import Agent
+from pushsvc.errors import DeviceError, LayoutError, ProtocolError
+from pushsvc.protocol import worker as wp
+from pushsvc.server.ranks import LandingMemory, MappedBuffer, RankMemory, layout_from_regions
+from pushsvc.shm import SharedBuffer
+from pushsvc.state.landing import CopyGeometry, LandingGeometry, row_extent
+from pushsvc.state.layout import MAX_DESCRIPTORS, Layout, descriptor_table
+
+log = structlog.get_logger("pushsvc.kvmemory")
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySettings:
+    landing_bytes: int  # per consumer rank with CUDA KV; 0 = WRITEs go into the imported KV
+
+
+def map_kv(msg: wp.RegisterKV, fds: list[int], *, agent: Agent, role: wp.Role, devmem: DeviceMemory | None,
+           settings: MemorySettings) -> RankMemory:
+    descriptors = sum(r.num_blocks for r in msg.regions)
+    if descriptors > MAX_DESCRIPTORS:
+        # Each block of each region becomes a NIXL descriptor held in memory.
+        raise LayoutError(f"{descriptors} blocks across regions exceed the limit of {MAX_DESCRIPTORS}")
+    if isinstance(msg.memory, wp.MemfdBuffers):
+        return _map_memfds(msg, fds, agent)
+    if fds:
+        raise ProtocolError(f"{len(fds)} fds sent with CUDA memory, which takes none")
+    if devmem is None:
+        raise ProtocolError("this daemon runs without the GPU path (gpu = \"off\", or no CUDA build of torch): "
+                            "it cannot take CUDA KV memory")
+    return _map_cuda(msg, agent, role, devmem, settings)
+
+
+def _check_regions(regions: list[wp.Region], buffers: list[MappedBuffer]) -> None:
+    for r in regions:
+        if r.buffer >= len(buffers):
+            raise LayoutError(f"region names buffer {r.buffer}, only {len(buffers)} sent")
+        end = r.offset + (r.num_blocks - 1) * r.stride + r.block_len
+        if end > buffers[r.buffer].size:
+            raise LayoutError(f"region ends at {end}, past buffer {r.buffer} of {buffers[r.buffer].size} bytes")
+
+
+def _map_memfds(msg: wp.RegisterKV, fds: list[int], agent: Agent) -> RankMemory:
+    assert isinstance(msg.memory, wp.MemfdBuffers)
+    if len(fds) != msg.memory.count:
+        raise ProtocolError(f"expected {msg.memory.count} fds, got {len(fds)}")
+    for fd in fds:
+        _require_sealed(fd)
+    buffers: list[SharedBuffer] = []
+    try:
+        for fd in fds:
+            buffers.append(SharedBuffer.attach(fd))
+        fds.clear()  # owned by the buffers now
+        _check_regions(msg.regions, buffers)
+        agent.register([(b.address, b.size) for b in buffers], "DRAM")
+        layout = layout_from_regions(msg.regions, [b.address for b in buffers], msg.blocks_per_logical)
+        descs = descriptor_table(layout)
+        dlist = agent.prep_local(descs, "DRAM")
+    except BaseException:
+        for b in buffers:
+            b.close()
+        raise
+    return RankMemory(list(buffers), list(msg.regions), layout, descs, dlist)
+
+
+def _map_cuda(msg: wp.RegisterKV, agent: Agent, role: wp.Role, devmem: DeviceMemory,
+              settings: MemorySettings) -> RankMemory:
+    memory = msg.memory
+    assert isinstance(memory, wp.CudaIpcBuffers)
+    device = devmem.device(memory.device_uuid)
+    buffers: list[MappedBuffer] = []
+    landing_buffer: MappedBuffer | None = None
+    try:
+        for b in memory.buffers:
+            buffers.append(device.import_ipc(b.handle))
+        _check_regions(msg.regions, buffers)
+        layout = layout_from_regions(msg.regions, [b.address for b in buffers], msg.blocks_per_logical)
+        descs = descriptor_table(layout, device.ordinal)
+        dlist = None
+        if role != "consumer":
+            agent.register([(b.address, b.size) for b in buffers], "VRAM", device.ordinal)
+            dlist = agent.prep_local(descs, "VRAM")
+        landing = None
+        if role != "producer" and settings.landing_bytes:
+            geometry = LandingGeometry.build(layout, settings.landing_bytes)
+            landing_buffer = device.allocate(geometry.nbytes)
+            agent.register([(landing_buffer.address, landing_buffer.size)], "VRAM", device.ordinal)
+            landing = _landing(device, layout, geometry, landing_buffer)
+            view = RowView(device, landing.dst, landing.copy.origin, landing.copy.unit)
+        else:
+            view = _view(device, layout)
+    except BaseException:
+        for b in buffers:
+            b.close()
+        if landing_buffer is not None:
+            landing_buffer.close()
+        raise
+    log.info("cuda_kv_mapped", device=device.ordinal, buffers=len(buffers), imported=sum(b.size for b in buffers),
+             landing_slots=landing.geometry.slots if landing else 0,
+             landing_bytes=landing.geometry.nbytes if landing else 0, row_bytes=view.unit)
+    return RankMemory(buffers, list(msg.regions), layout, descs, dlist, "VRAM", device, view, landing)
+
+
+def _landing(device: Device, layout: Layout, geometry: LandingGeometry, buffer: MappedBuffer) -> LandingMemory:
+    copy = CopyGeometry.build(layout, geometry)
+    try:
+        dst = device.row_space(copy.origin, copy.span, copy.unit)
+        src = device.row_space(buffer.address, geometry.nbytes, copy.unit)
+    except DeviceError:
+        raise
+    except Exception as exc:  # torch refusing a view is a device problem, reported as such
+        raise DeviceError(f"cannot set up the landing copy: {exc}") from exc
+    return LandingMemory(buffer, geometry, geometry.layout(buffer.address), copy, dst, src)
+
+
+def _view(device: Device, layout: Layout) -> RowView:
+    """The worker's KV as rows, for digests on the device (verify mode)."""
+    origin, span, unit = row_extent(layout)
+    try:
+        space = device.row_space(origin, span, unit)
+    except DeviceError:
+        raise
+    except Exception as exc:
+        raise DeviceError(f"cannot view the KV memory as rows: {exc}") from exc
+    return RowView(device, space, origin, unit)
+
+
+def _require_sealed(fd: int) -> None:
+    """A memfd whose size can shrink would make our mapping SIGBUS the daemon when the
+    worker truncates it: only memfds sealed with F_SEAL_SHRINK are mapped."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise ProtocolError("KV memory must be a memfd (it cannot be sealed)") from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise ProtocolError("KV memfd is not sealed against shrinking (add F_SEAL_SHRINK before sending it)")

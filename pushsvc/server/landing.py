@@ -1,0 +1,259 @@
+"""D's landing on the GPU (docs/gpu.md): slots for each registration, copies of landed
+parts into the worker's KV, final events held until those copies are done.
+
+Composed into the ``Receiver``, one ``_RankLanding`` per rank whose KV is CUDA memory
+with a landing buffer. The receiver asks for slots when a registration arrives
+(``reserve``), puts them into the ``PUSH_REG`` (``slot_ids``), reports each part's
+notification (``part_landed``, which starts that part's copy while the registration is
+live) and ends every request through ``finish``: the final action runs once no copy into
+the request's blocks is in flight, and only then do its slots go back, to the
+registrations waiting for them in order (``granted``).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from pushsvc.devmem.base import CopyJob, Device
+from pushsvc.errors import DeviceError
+from pushsvc.metrics import Metrics
+from pushsvc.server.ranks import LandingMemory, Rank
+from pushsvc.state.landing import AllocOutcome, Grant, SlotAllocator, part_regions, physical_blocks
+
+log = structlog.get_logger("pushsvc.landing")
+
+# What runs when a request's copies are done: it gets the copy error ("" if none).
+Action = Callable[[str], None]
+
+
+class PartOutcome(enum.Enum):
+    MORE = "more"  # parts still to come
+    ALL = "all"  # the last part arrived: the WRITE is complete
+    MALFORMED = "malformed"  # index seen before, or a part count that changed
+    UNKNOWN = "unknown"  # no landing entry (late, or never ours)
+
+
+@dataclass(eq=False)
+class _Entry:
+    rid: str
+    block_ids: list[list[int]]  # the worker's logical ids, per group
+    asked_at: float
+    grant: Grant | None = None  # None while waiting for slots
+    parts: int = 0  # k, from the first part's notification
+    arrived: set[int] = field(default_factory=set)
+    copies: list[CopyJob] = field(default_factory=list)
+    error: str = ""
+    landed_at: float = 0.0  # perf_counter() when the last part arrived
+    action: Action | None = None  # the final action, held until the copies are done
+
+    @property
+    def blocks(self) -> set[int]:
+        return {b for ids in self.block_ids for b in ids}
+
+
+@dataclass(eq=False)
+class _RankLanding:
+    memory: LandingMemory
+    device: Device
+    slots: SlotAllocator
+    entries: dict[str, _Entry] = field(default_factory=dict)
+    closing: bool = False  # shutting down: freed slots go to nobody
+    rows: dict[tuple[int, int, int], object] = field(default_factory=dict)  # (regions, group) -> on the device
+
+    def device_rows(self, regions: range, group: int) -> object | None:
+        key = (regions.start, regions.stop, group)
+        if key not in self.rows:
+            rows = self.memory.copy.rows(regions, group)
+            self.rows[key] = None if rows is None else self.device.upload_rows(rows)
+        return self.rows[key]
+
+
+class Landing:
+    def __init__(self, *, metrics: Metrics, now: Callable[[], float],
+                 granted: Callable[[Rank, str, float], None]) -> None:
+        self._metrics = metrics
+        self._now = now
+        self._granted = granted  # a waiting registration got its slots (rank, rid, waited s)
+        self._ranks: dict[Rank, _RankLanding] = {}
+        self._copying: set[tuple[Rank, _Entry]] = set()
+
+    def attach(self, rank: Rank) -> None:
+        memory = rank.memory
+        assert memory is not None and memory.landing is not None and memory.device is not None
+        groups = memory.layout.groups
+        self._ranks[rank] = _RankLanding(memory.landing, memory.device,
+                                         SlotAllocator(groups, memory.landing.geometry.slots))
+
+    def active(self, rank: Rank) -> bool:
+        return rank in self._ranks
+
+    # ------------------------------------------------------------------ slots
+
+    def reserve(self, rank: Rank, rid: str, block_ids: list[list[int]]) -> tuple[AllocOutcome, str]:
+        """Slots for ``rid``'s blocks: granted now, queued (``granted`` is called later),
+        or never (the outcome's message says how much it would need)."""
+        state = self._ranks[rank]
+        counts = [len(ids) for ids in block_ids]
+        outcome, grant = state.slots.request(rid, counts)
+        if outcome is AllocOutcome.TOO_LARGE:
+            geometry = state.memory.geometry
+            need = max(counts) * geometry.slot_bytes
+            return outcome, (f"landing_too_small: {max(counts)} blocks need {need >> 20} MiB of landing space, "
+                             f"the rank's landing buffer holds {geometry.slots} blocks "
+                             f"({geometry.nbytes >> 20} MiB; raise landing_mib)")
+        if outcome is AllocOutcome.DUPLICATE:
+            return outcome, "request id already holds landing slots"
+        state.entries[rid] = _Entry(rid, [list(ids) for ids in block_ids], self._now(), grant)
+        if outcome is AllocOutcome.QUEUED:
+            self._metrics.landing_waits.inc()
+            log.info("landing_wait", request_id=rid, rank=rank.number, blocks=max(counts),
+                     queued=state.slots.queued, used=state.slots.used, slots=state.slots.slots)
+        return outcome, ""
+
+    def slot_ids(self, rank: Rank, rid: str) -> list[list[int]]:
+        grant = self._ranks[rank].entries[rid].grant
+        assert grant is not None
+        return [list(range(start, start + n)) for start, n in zip(grant.starts, grant.counts)]
+
+    def tracks(self, rank: Rank, rid: str) -> bool:
+        state = self._ranks.get(rank)
+        return state is not None and rid in state.entries
+
+    def holder(self, rank: Rank, block_ids: list[list[int]]) -> tuple[int, str] | None:
+        """A block of ``block_ids`` that a request still landing (its copy finishing after
+        its registration ended) writes into, with that request."""
+        state = self._ranks.get(rank)
+        wanted = {b for ids in block_ids for b in ids}
+        for entry in state.entries.values() if state is not None else ():
+            if entry.action is not None:
+                common = wanted & entry.blocks
+                if common:
+                    return min(common), entry.rid
+        return None
+
+    # ------------------------------------------------------------------ parts and copies
+
+    def part_landed(self, rank: Rank, rid: str, index: int, parts: int, copy: bool) -> PartOutcome:
+        """Part ``index`` of ``parts`` of ``rid``'s WRITE landed. With ``copy`` (the
+        registration is live) its slots are copied into the worker's blocks now."""
+        state = self._ranks[rank]
+        entry = state.entries.get(rid)
+        if entry is None or entry.grant is None or entry.action is not None:
+            return PartOutcome.UNKNOWN
+        if entry.parts and parts != entry.parts or index in entry.arrived or index >= parts:
+            return PartOutcome.MALFORMED
+        entry.parts = parts
+        entry.arrived.add(index)
+        log.debug("part_landed", request_id=rid, part=index, parts=parts, copy=copy)
+        if copy and not entry.error:
+            self._copy(rank, state, entry, index, parts)
+        if len(entry.arrived) < parts:
+            return PartOutcome.MORE
+        entry.landed_at = time.perf_counter()
+        return PartOutcome.ALL
+
+    def _copy(self, rank: Rank, state: _RankLanding, entry: _Entry, index: int, parts: int) -> None:
+        """Copy the regions part ``index`` of ``parts`` carries: one gather per KV group."""
+        memory = state.memory
+        bpl = memory.geometry.worker.blocks_per_logical
+        regions = part_regions(len(memory.geometry.worker.regions), parts, index)
+        grant = entry.grant
+        assert grant is not None
+        try:
+            for g, ids in enumerate(entry.block_ids):
+                rows = state.device_rows(regions, g) if ids else None
+                if rows is None:
+                    continue
+                slots = physical_blocks(np.arange(grant.starts[g], grant.starts[g] + len(ids)), bpl)
+                blocks = physical_blocks(np.asarray(ids, dtype=np.int64), bpl)
+                entry.copies.append(state.device.gather(memory.dst, rows, blocks, memory.src, slots))
+                self._metrics.landing_copies.inc()
+        except DeviceError as exc:
+            entry.error = str(exc)
+            log.error("landing_copy_failed", request_id=entry.rid, rank=rank.number, error=entry.error)
+        if entry.copies:
+            self._copying.add((rank, entry))
+
+    def poll(self) -> None:
+        """Settle finished copies; run the final actions they held."""
+        for rank, entry in list(self._copying):
+            entry.copies = [job for job in entry.copies if not job.done()]
+            if entry.copies:
+                continue
+            self._copying.discard((rank, entry))
+            if entry.landed_at:
+                exposed = time.perf_counter() - entry.landed_at
+                self._metrics.landing_exposed_seconds.observe(exposed)
+                log.debug("copies_done", request_id=entry.rid, exposed_s=round(exposed, 6))
+                entry.landed_at = 0.0
+            if entry.action is not None:
+                self._end(rank, entry)
+
+    def hot(self, rank: Rank | None = None) -> bool:
+        """Copies in flight (of ``rank``, or of any rank)."""
+        return any(rank is None or r is rank for r, _ in self._copying)
+
+    # ------------------------------------------------------------------ endings
+
+    def finish(self, rank: Rank, rid: str, action: Action) -> None:
+        """``rid`` is final: run ``action`` once no copy into its blocks is in flight, then
+        give its slots back (or drop it from the queue)."""
+        state = self._ranks.get(rank)
+        entry = state.entries.get(rid) if state is not None else None
+        if entry is None:
+            action("")
+            return
+        entry.action = action
+        if not entry.copies:
+            self._end(rank, entry)
+
+    def _end(self, rank: Rank, entry: _Entry) -> None:
+        state = self._ranks[rank]
+        action, entry.action = entry.action, None
+        del state.entries[entry.rid]
+        try:
+            if action is not None:
+                action(entry.error)
+        finally:
+            for grant in state.slots.release(entry.rid):
+                waiting = state.entries[grant.key]
+                waiting.grant = grant
+                if not state.closing:
+                    self._granted(rank, grant.key, self._now() - waiting.asked_at)
+
+    def busy(self, rank: Rank) -> bool:
+        """Copies in flight or final events held for them: the rank's memory is in use."""
+        state = self._ranks.get(rank)
+        return state is not None and any(e.copies or e.action is not None for e in state.entries.values())
+
+    def abandon(self, rank: Rank) -> None:
+        """Shutdown: wait for the rank's copies (they write into the worker's memory), then
+        run what they held."""
+        state = self._ranks.get(rank)
+        if state is not None:
+            state.closing = True
+        for entry in list(state.entries.values()) if state is not None else ():
+            for job in entry.copies:
+                job.wait()
+            entry.copies = []
+            self._copying.discard((rank, entry))
+            if entry.action is not None:
+                self._end(rank, entry)
+
+    def forget(self, rank: Rank) -> None:
+        self._ranks.pop(rank, None)
+        self._copying = {(r, e) for r, e in self._copying if r is not rank}
+
+    def slot_counts(self) -> dict[str, int]:
+        states = list(self._ranks.values())
+        return {"total": sum(s.slots.capacity for s in states), "used": sum(s.slots.used for s in states),
+                "queued": sum(s.slots.queued for s in states)}
+
+    def __repr__(self) -> str:
+        return f"<Landing ranks={len(self._ranks)} copying={len(self._copying)}>"
