@@ -27,8 +27,8 @@ from pushsvc.shm import SharedBuffer  # noqa: E402
 
 
 def measure(steps: int = 200_000, rounds: int = 5) -> dict:
-    # Imported here: pulls in vLLM (the metadata class subclasses vLLM's).
-    from pushsvc_connector.metadata import PushsvcMetadata
+    from pushsvc_connector.kvshare import KVShare
+    from pushsvc_connector.steps import StepPlan
     from pushsvc_connector.worker import PushWorker
 
     base = tempfile.mkdtemp(prefix="psstep-")
@@ -37,8 +37,8 @@ def measure(steps: int = 200_000, rounds: int = 5) -> dict:
     try:
         worker = PushWorker(socket_path=daemon.info["socket_path"], rank=0, tp_size=1, role="consumer")
         buf = SharedBuffer.create(16 << 20)
-        worker.register([buf], [wp.Region(buffer=0, offset=0, block_len=128 << 10, num_blocks=128)], 1)
-        empty, idle = PushsvcMetadata(), PushsvcMetadata(idle=True)
+        worker.register(KVShare([wp.Region(buffer=0, offset=0, block_len=128 << 10, num_blocks=128)], buffers=[buf]))
+        empty, idle = StepPlan(), StepPlan(idle=True)
         out = {}
         for label, meta in (("busy_step", empty), ("idle_step", idle)):
             per_round = []

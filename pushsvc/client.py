@@ -83,15 +83,20 @@ class DaemonClient:
         self.welcome = welcome
         return welcome
 
-    def register_kv(self, fds: Sequence[int], regions: list[wp.Region], blocks_per_logical: int = 1) -> wp.KVRegistered:
-        msg = wp.RegisterKV(memory=wp.MemfdBuffers(count=len(fds)), regions=regions,
+    def register_kv(self, fds: Sequence[int], regions: list[wp.Region], blocks_per_logical: int = 1,
+                    memory: wp.CudaIpcBuffers | None = None) -> wp.KVRegistered:
+        """Share the KV memory: memfds (sent with the frame), or CUDA IPC handles."""
+        if memory is not None and not self.supports(wp.CUDA_IPC_MINOR):
+            raise DaemonRefused(f"the daemon speaks worker protocol {wp.MAJOR}.{self.daemon_minor}; CUDA KV memory "
+                                f"needs {wp.MAJOR}.{wp.CUDA_IPC_MINOR} (upgrade the daemon)")
+        msg = wp.RegisterKV(memory=memory or wp.MemfdBuffers(count=len(fds)), regions=regions,
                             blocks_per_logical=blocks_per_logical)
         data = frame(wp.encode(msg))
         sock = self._require()
         self._flush_blocking()
         sock.setblocking(True)
         try:
-            sent = socket.send_fds(sock, [data], list(fds))
+            sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
             if sent < len(data):
                 sock.sendall(data[sent:])
         except OSError as exc:

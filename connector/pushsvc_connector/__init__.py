@@ -8,6 +8,16 @@ Load it with::
                            "kv_connector_extra_config": {"daemon_socket": "/run/pushsvc/pushsvc.sock"}}'
 """
 
-from pushsvc_connector.connector import PushsvcConnector
+from typing import Any
 
 __all__ = ["PushsvcConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use, so the worker role (``pushsvc_connector.worker``) and the
+    # share helpers import without vLLM.
+    if name == "PushsvcConnector":
+        from pushsvc_connector.connector import PushsvcConnector
+
+        return PushsvcConnector
+    raise AttributeError(name)

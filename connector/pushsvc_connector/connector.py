@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pushsvc_connector.coordinates import DaemonCoordinates
-from pushsvc_connector.kvshare import share_kv_caches
+from pushsvc_connector.kvshare import share_kv
 from pushsvc_connector.metadata import PushsvcMetadata
 from pushsvc_connector.scheduler import PushScheduler
 from pushsvc_connector.stats import PushsvcConnectorStats, PushsvcPromMetrics
@@ -92,13 +92,7 @@ class PushsvcConnector(KVConnectorBase_V1):
         # Raises DaemonRefused when the daemon refuses this worker (vLLM then fails to
         # start, with the daemon's reason); a daemon not there yet is retried later.
         assert self._worker is not None
-        num_blocks = self._kv_cache_config.num_blocks
-        first = next(iter(kv_caches.values()))
-        block_dim = first.shape[1] if first.shape[0] == 2 and first.dim() >= 3 else first.shape[0]
-        # The kernel may split each scheduler block into several physical blocks.
-        per_logical = block_dim // num_blocks if block_dim % num_blocks == 0 else 1
-        buffers, regions = share_kv_caches(kv_caches, num_blocks * per_logical)
-        self._worker.register(buffers, regions, per_logical)
+        self._worker.register(share_kv(kv_caches, self._kv_cache_config.num_blocks))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
@@ -165,7 +159,8 @@ class PushsvcConnector(KVConnectorBase_V1):
         # Each role counts its own events; vLLM sums the workers' and the scheduler's.
         if self._scheduler is not None:
             return self._scheduler.take_stats()
-        return self._worker.take_stats() if self._worker is not None else None
+        counts = self._worker.take_stats() if self._worker is not None else None
+        return PushsvcConnectorStats(data=counts.data) if counts is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

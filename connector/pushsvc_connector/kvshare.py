@@ -1,48 +1,70 @@
-"""Share vLLM's CPU KV-cache tensors with the daemon, in place, without copying per
-request.
+"""Share vLLM's KV-cache tensors with the daemon, in place, without copying per request.
 
-Each distinct storage behind the layer tensors is re-backed by a memfd
-(``pushsvc.shm.rebind_pages``: the page range is copied once into the memfd, which is
-then mapped over the same addresses), so the tensors keep working and the daemon maps
-the very same pages. Called once, from ``register_kv_caches``, before any forward pass.
+``share_kv`` looks at where the tensors live:
+
+* CPU: each distinct storage behind the layer tensors is re-backed by a memfd
+  (``pushsvc.shm.rebind_pages``: the page range is copied once into the memfd, which is
+  then mapped over the same addresses), so the tensors keep working and the daemon maps
+  the very same pages.
+* CUDA: each allocation is exported by IPC handle (``cudashare.py``); the daemon opens it.
+
+Called once, from ``register_kv_caches``, before any forward pass. The ``KVShare`` is kept
+for the worker's lifetime: a reconnecting worker registers the same memory again.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass, field
 
 import torch
 
-from pushsvc.protocol.worker import Region
+from pushsvc.protocol import worker as wp
 from pushsvc.shm import PAGE, SharedBuffer, rebind_pages
+from pushsvc_connector.kvlayout import blocks_per_logical, regions_of
 
 
-def _regions_of(name: str, t: torch.Tensor, buffer: int, offset: int, num_blocks: int) -> list[Region]:
-    """Regions of one layer tensor. Blocks are either the outermost dimension
-    (vLLM's CPU layout: [blocks, kv_heads, block_size, 2 * head_size]) or the second
-    one with K and V stacked first ([2, blocks, ...]): then K and V are two regions."""
-    elem = t.element_size()
-    if t.shape[0] == num_blocks:
-        block_len = math.prod(t.shape[1:]) * elem
-        if t.stride(0) * elem < block_len or not t[0].is_contiguous():
-            raise ValueError(f"{name}: blocks are not contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
-        return [Region(buffer=buffer, offset=offset, block_len=block_len, num_blocks=num_blocks,
-                       block_stride=t.stride(0) * elem, layer_names=[name])]
-    if t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
-        return [r for half in (0, 1) for r in _regions_of(
-            name, t[half], buffer, offset + half * t.stride(0) * elem, num_blocks)]
-    raise ValueError(f"{name}: no block dimension of size {num_blocks} in shape {tuple(t.shape)}")
+@dataclass
+class KVShare:
+    regions: list[wp.Region]
+    blocks_per_logical: int = 1
+    buffers: list[SharedBuffer] = field(default_factory=list)  # CPU: the memfds, sent with the registration
+    cuda: wp.CudaIpcBuffers | None = None  # CUDA: the exported allocations
+
+    @property
+    def fds(self) -> list[int]:
+        return [b.fd for b in self.buffers]
+
+    @property
+    def kind(self) -> str:
+        return "cuda" if self.cuda is not None else "memfd"
+
+    def close(self) -> None:
+        for b in self.buffers:
+            b.close()
+        self.buffers = []
 
 
-def share_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[list[SharedBuffer], list[Region]]:
-    """Re-back every storage behind ``kv_caches`` by a memfd; describe the layers."""
+def share_kv(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVShare:
+    """Share ``kv_caches`` (``num_blocks`` scheduler blocks each) with the daemon."""
+    per_logical = blocks_per_logical(kv_caches, num_blocks)
+    if next(iter(kv_caches.values())).device.type == "cuda":
+        from pushsvc_connector.cudashare import share_cuda_kv
+
+        cuda, regions = share_cuda_kv(kv_caches, num_blocks * per_logical)
+        return KVShare(regions, per_logical, cuda=cuda)
+    buffers, regions = share_kv_caches(kv_caches, num_blocks * per_logical)
+    return KVShare(regions, per_logical, buffers=buffers)
+
+
+def share_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[list[SharedBuffer], list[wp.Region]]:
+    """Re-back every storage behind CPU ``kv_caches`` by a memfd; describe the layers."""
     buffers: list[SharedBuffer] = []
     starts: dict[int, tuple[int, int]] = {}  # storage ptr -> (buffer index, mapped start)
-    regions: list[Region] = []
+    regions: list[wp.Region] = []
     try:
         for name, t in kv_caches.items():
             if t.device.type != "cpu":
-                raise ValueError(f"{name}: KV cache on {t.device}; GPU caches use a daemon-owned arena")
+                raise ValueError(f"{name}: KV cache on {t.device}, the others on the CPU")
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in starts:
@@ -55,7 +77,7 @@ def share_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tupl
                 buffers.append(rebind_pages(start, end - start, name=f"pushsvc-kv-{len(buffers)}"))
                 starts[ptr] = (len(buffers) - 1, start)
             index, start = starts[ptr]
-            regions += _regions_of(name, t, index, t.data_ptr() - start, num_blocks)
+            regions += regions_of(name, t, index, t.data_ptr() - start, num_blocks)
     except BaseException:
         for b in buffers:
             b.close()

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import msgspec
 
 from pushsvc.protocol import worker as wp
-from pushsvc_connector.stats import BAD_PARAMS, ID_TOO_LONG
+from pushsvc_connector.counters import BAD_PARAMS, ID_TOO_LONG
 
 _EngineId = Annotated[str, msgspec.Meta(min_length=1)]  # within wp.Name's bound, checked too
 _Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]

@@ -23,43 +23,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from pushsvc_connector import counters
+from pushsvc_connector.counters import COUNTERS, CounterSpec
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 METRIC_PREFIX = "vllm:pushsvc_connector_"
-
-
-@dataclass(frozen=True)
-class CounterSpec:
-    name: str
-    documentation: str
-    label: str = ""  # the label's name; "" for a counter without one
-    values: tuple[str, ...] = ("",)  # label values exported (at 0) from the start
-
-
-# Refusal reasons: why the connector did not transfer a request.
-BAD_PARAMS = "bad_kv_transfer_params"
-ID_TOO_LONG = "request_id_too_long"
-# Why held requests were released without their final event.
-DAEMON_GONE = "daemon_gone"
-DAEMON_RESTARTED = "daemon_restarted"
-BACKSTOP = "backstop"
-
-COUNTERS: tuple[CounterSpec, ...] = (
-    CounterSpec("refused_requests", "Requests the pushsvc connector did not transfer because of what the client "
-                "sent: D prefilled them locally, P freed their blocks at once.", "reason", (BAD_PARAMS, ID_TOO_LONG)),
-    CounterSpec("ignored_transfer_ids", "kv_transfer_params.transfer_id values that are no valid match key; the "
-                "request went on without them."),
-    CounterSpec("backstop_expiries", "Requests whose connector backstop (watchdog_s on D, lease_s on P) fired "
-                "before the daemon reported them.", "side", ("recv", "send")),
-    CounterSpec("daemon_disconnects", "Connections of a worker to its pushsvc daemon that were lost."),
-    CounterSpec("held_requests", "Transfers outstanding when a worker lost its daemon connection, held until "
-                "the daemon reports them or is known to be gone."),
-    CounterSpec("released_requests", "Held transfers released without the daemon's final event: no daemon "
-                "listening, a new daemon incarnation, or the connector's backstop.", "cause",
-                (DAEMON_GONE, DAEMON_RESTARTED, BACKSTOP)),
-)
-_NAMES = frozenset(spec.name for spec in COUNTERS)
 
 
 @dataclass
@@ -67,11 +37,10 @@ class PushsvcConnectorStats(KVConnectorStats):
     """Counts since the last ``take``: ``data[name][label value]``."""
 
     def record(self, name: str, label: str = "", n: int = 1) -> None:
-        by_label = self.data.setdefault(name, {})
-        by_label[label] = by_label.get(label, 0) + n
+        counters.record(self.data, name, label, n)
 
     def count(self, name: str, label: str = "") -> int:
-        return self.data.get(name, {}).get(label, 0)
+        return counters.count(self.data, name, label)
 
     def take(self) -> PushsvcConnectorStats | None:
         """What was recorded since the last call (None if nothing), and start afresh."""
@@ -85,7 +54,7 @@ class PushsvcConnectorStats(KVConnectorStats):
         self.data = {}
 
     def is_empty(self) -> bool:
-        return not any(n for by_label in self.data.values() for n in by_label.values())
+        return counters.is_empty(self.data)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, by_label in other.data.items():
@@ -118,7 +87,7 @@ class PushsvcPromMetrics(KVConnectorPromMetrics):
         if values is None:
             return
         for name, by_label in transfer_stats_data.items():
-            if name not in _NAMES:
+            if name not in counters.NAMES:
                 continue
             spec, counter = self._counters[name]
             for label, n in by_label.items():

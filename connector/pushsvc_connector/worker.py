@@ -33,23 +33,23 @@ message; only a daemon that is not there (yet) is retried.
 
 from __future__ import annotations
 
+import logging
 import select
 import time
 from dataclasses import dataclass
 
 import msgspec
-from vllm.logger import init_logger
 
 from pushsvc.client import DaemonClient
 from pushsvc.errors import DaemonNotListening, DaemonRefused, DaemonUnavailable, PushsvcError
 from pushsvc.protocol import worker as wp
-from pushsvc.protocol.worker import Region
-from pushsvc.shm import SharedBuffer
-from pushsvc_connector.metadata import PushsvcMetadata
-from pushsvc_connector.stats import BACKSTOP, DAEMON_GONE, DAEMON_RESTARTED, PushsvcConnectorStats
+from pushsvc_connector.counters import BACKSTOP, DAEMON_GONE, DAEMON_RESTARTED, Counts
+from pushsvc_connector.kvshare import KVShare
+from pushsvc_connector.steps import StepPlan
 
-# Under the "vllm" logger so vLLM's own handler and level apply.
-log = init_logger("vllm.pushsvc_connector")
+# Under the "vllm" logger so vLLM's own handler and level apply. This module imports no
+# vLLM: the worker role runs (and is tested) without it.
+log = logging.getLogger("vllm.pushsvc_connector")
 
 RECONNECT_INTERVAL_S = 0.25
 # While the daemon is away, every attempt fails; one warning per this many is enough.
@@ -72,10 +72,8 @@ class PushWorker:
         self.reconnect_interval_s = reconnect_interval_s
         self.client = DaemonClient(socket_path, engine_id="", rank=rank, tp_size=tp_size, role=role,
                                    timeout_s=connect_timeout_s)
-        self.stats = PushsvcConnectorStats()
-        self._buffers: list[SharedBuffer] = []
-        self._regions: list[Region] = []
-        self._blocks_per_logical = 1
+        self.stats = Counts()
+        self._share: KVShare | None = None
         self._registered = False
         self._daemon_id = ""  # the incarnation last connected to
         self._next_connect = 0.0
@@ -88,10 +86,10 @@ class PushWorker:
 
     # ------------------------------------------------------------------ set-up
 
-    def register(self, buffers: list[SharedBuffer], regions: list[Region], blocks_per_logical: int) -> None:
+    def register(self, share: KVShare) -> None:
         """Share the KV memory with the daemon. Raises ``DaemonRefused`` if the daemon
         refuses this worker; a daemon not there yet is retried from the engine steps."""
-        self._buffers, self._regions, self._blocks_per_logical = buffers, regions, blocks_per_logical
+        self._share = share
         self._connect(startup=True)
 
     def _connect(self, startup: bool = False) -> bool:
@@ -104,7 +102,9 @@ class PushWorker:
                 if self._daemon_id:
                     self._release_held(DAEMON_RESTARTED, f"the daemon restarted (now {welcome.daemon_id})")
                 self._daemon_id = welcome.daemon_id
-            self.client.register_kv([b.fd for b in self._buffers], self._regions, self._blocks_per_logical)
+            share = self._share
+            assert share is not None
+            self.client.register_kv(share.fds, share.regions, share.blocks_per_logical, memory=share.cuda)
         except DaemonRefused as exc:
             self.client.close()
             if startup:
@@ -124,8 +124,9 @@ class PushWorker:
         self._connect_failures = 0
         self._registered = True
         held = sum(t.held for t in self._recving.values()) + sum(t.held for t in self._sending.values())
-        log.info("pushsvc connected: daemon %s, engine %s, side channel %s:%d, %d regions%s", welcome.daemon_id,
-                 welcome.engine_id, welcome.side_channel_host, welcome.side_channel_port, len(self._regions),
+        log.info("pushsvc connected: daemon %s, engine %s, side channel %s:%d, %d regions of %s memory%s",
+                 welcome.daemon_id, welcome.engine_id, welcome.side_channel_host, welcome.side_channel_port,
+                 len(share.regions), share.kind,
                  f"; {held} requests of the previous connection await their final events" if held else "")
         # Evictions that may not have reached the daemon before the connection dropped.
         evicted = [rid for rid, t in self._recving.items() if t.held and t.evicted]
@@ -147,13 +148,13 @@ class PushWorker:
     def _available(self) -> bool:
         if self._registered:
             return True
-        if self._regions and time.monotonic() >= self._next_connect:
+        if self._share is not None and time.monotonic() >= self._next_connect:
             return self._connect()
         return False
 
     # ------------------------------------------------------------------ each step
 
-    def start_step(self, meta: PushsvcMetadata) -> None:
+    def start_step(self, meta: StepPlan) -> None:
         if meta.recvs or meta.sends or meta.evictions:
             log.debug("pushsvc step: %d registrations, %d sends, %d evictions", len(meta.recvs), len(meta.sends),
                       len(meta.evictions))
@@ -214,7 +215,7 @@ class PushWorker:
         self._done_sending, self._done_recving = set(), set()
         return sending, recving
 
-    def take_stats(self) -> PushsvcConnectorStats | None:
+    def take_stats(self) -> Counts | None:
         return self.stats.take()
 
     def take_load_errors(self) -> set[int]:
@@ -317,9 +318,8 @@ class PushWorker:
 
     def close(self) -> None:
         self.client.close()
-        for b in self._buffers:
-            b.close()
-        self._buffers = []
+        if self._share is not None:
+            self._share.close()
 
     def __repr__(self) -> str:
         held = sum(t.held for t in self._recving.values()) + sum(t.held for t in self._sending.values())

@@ -21,6 +21,7 @@ from pushsvc.errors import DaemonRefused
 from pushsvc.protocol import worker as wp
 from pushsvc.server.daemon import Daemon
 from pushsvc.shm import SharedBuffer
+from pushsvc_connector.kvshare import KVShare
 from pushsvc_connector.metadata import PushsvcMetadata
 from pushsvc_connector.worker import PushWorker
 
@@ -75,7 +76,7 @@ async def test_failed_receive_reports_finished_with_load_errors(base) -> None:
     worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="consumer",
                         connect_timeout_s=5.0)
     try:
-        await asyncio.to_thread(worker.register, [buf], kv_regions(NUM_BLOCKS), 1)
+        await asyncio.to_thread(worker.register, KVShare(kv_regions(NUM_BLOCKS), buffers=[buf]))
         worker.start_step(PushsvcMetadata(recvs={"r1": _registration("r1", [3, 5])}))
         sending, recving = await _finished(worker)
         assert (sending, recving) == (set(), {"r1"})
@@ -95,7 +96,7 @@ async def test_daemon_loss_fails_in_flight_and_reconnects(base, silent_port) -> 
     worker = PushWorker(socket_path=config.socket_path, rank=0, tp_size=1, role="both", connect_timeout_s=5.0,
                         reconnect_interval_s=0.05)
     try:
-        await asyncio.to_thread(worker.register, [buf], kv_regions(NUM_BLOCKS), 1)
+        await asyncio.to_thread(worker.register, KVShare(kv_regions(NUM_BLOCKS), buffers=[buf]))
         # A registration whose handshake with P never completes, and a send.
         reg = wp.RegisterRecv(request_id="waiting", local_block_ids=[[7]], remote_engine_id="prefill",
                               remote_host="127.0.0.1", remote_port=silent_port)
@@ -142,7 +143,7 @@ async def test_evicted_receive_releases_blocks_without_load_errors(base, silent_
     worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="consumer",
                         connect_timeout_s=5.0)
     try:
-        await asyncio.to_thread(worker.register, [buf], kv_regions(NUM_BLOCKS), 1)
+        await asyncio.to_thread(worker.register, KVShare(kv_regions(NUM_BLOCKS), buffers=[buf]))
         never = wp.RegisterRecv(request_id="gone", local_block_ids=[[4]], remote_engine_id="prefill",
                                 remote_host="127.0.0.1", remote_port=silent_port)
         worker.start_step(PushsvcMetadata(recvs={"gone": never}))
@@ -167,7 +168,7 @@ async def test_idle_wait_after_the_client_saw_the_daemon_close_notices_the_loss(
     worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="consumer",
                         connect_timeout_s=5.0)
     try:
-        await asyncio.to_thread(worker.register, [buf], kv_regions(NUM_BLOCKS), 1)
+        await asyncio.to_thread(worker.register, KVShare(kv_regions(NUM_BLOCKS), buffers=[buf]))
         reg = wp.RegisterRecv(request_id="waiting", local_block_ids=[[4]], remote_engine_id="prefill",
                               remote_host="127.0.0.1", remote_port=silent_port)
         worker.start_step(PushsvcMetadata(recvs={"waiting": reg}))
@@ -188,7 +189,7 @@ async def test_match_key_goes_only_to_a_daemon_that_knows_it(base, silent_port, 
     worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="both",
                         connect_timeout_s=5.0)
     try:
-        await asyncio.to_thread(worker.register, [buf], kv_regions(NUM_BLOCKS), 1)
+        await asyncio.to_thread(worker.register, KVShare(kv_regions(NUM_BLOCKS), buffers=[buf]))
         sent: list = []
         real_send = worker.client.send
         monkeypatch.setattr(worker.client, "send", lambda msg: (sent.append(msg), real_send(msg)))
@@ -245,7 +246,7 @@ async def _in_flight(base: str, silent_port: int, **overrides) -> AsyncIterator[
     worker = PushWorker(socket_path=config.socket_path, rank=0, tp_size=1, role="both", connect_timeout_s=5.0,
                         reconnect_interval_s=0.05)
     try:
-        await asyncio.to_thread(worker.register, [buf], kv_regions(NUM_BLOCKS), 1)
+        await asyncio.to_thread(worker.register, KVShare(kv_regions(NUM_BLOCKS), buffers=[buf]))
         reg = wp.RegisterRecv(request_id="waiting", local_block_ids=[[7]], remote_engine_id="prefill",
                               remote_host="127.0.0.1", remote_port=silent_port)
         sent = wp.SendReady(request_id="sent", block_ids=[[1, 2]])
@@ -413,7 +414,7 @@ async def test_daemon_error_for_a_tracked_request_ends_it_at_once(base, role, me
     worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role=role,
                         connect_timeout_s=5.0)
     try:
-        await asyncio.to_thread(worker.register, [buf], kv_regions(NUM_BLOCKS), 1)
+        await asyncio.to_thread(worker.register, KVShare(kv_regions(NUM_BLOCKS), buffers=[buf]))
         worker.start_step(meta)  # refused for the worker's role: Error with the request id
         assert await _finished(worker) == expected
         assert worker.take_load_errors() == ({5} if role == "producer" else set())
@@ -433,9 +434,9 @@ async def test_daemon_refusing_the_worker_at_start_up_fails_registration(base) -
     first, second = (PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="consumer",
                                 connect_timeout_s=5.0) for _ in range(2))
     try:
-        await asyncio.to_thread(first.register, [bufs[0]], kv_regions(NUM_BLOCKS), 1)
+        await asyncio.to_thread(first.register, KVShare(kv_regions(NUM_BLOCKS), buffers=[bufs[0]]))
         with pytest.raises(DaemonRefused, match="TP rank 0.*rank 0 already has a connected worker"):
-            await asyncio.to_thread(second.register, [bufs[1]], kv_regions(NUM_BLOCKS), 1)
+            await asyncio.to_thread(second.register, KVShare(kv_regions(NUM_BLOCKS), buffers=[bufs[1]]))
         assert first.welcome is not None
     finally:
         first.close()
@@ -448,7 +449,7 @@ def test_daemon_not_there_yet_is_retried_later(base) -> None:
                         connect_timeout_s=1.0)
     buf = SharedBuffer.create(2 * NUM_BLOCKS * BLOCK_LEN)
     try:
-        worker.register([buf], kv_regions(NUM_BLOCKS), 1)  # no exception: vLLM starts, the worker retries
+        worker.register(KVShare(kv_regions(NUM_BLOCKS), buffers=[buf]))  # no exception: vLLM starts, the worker retries
         assert worker.welcome is None
     finally:
         worker.close()

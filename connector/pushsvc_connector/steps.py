@@ -1,0 +1,39 @@
+"""What the scheduler hands its workers each step, as the worker role reads it (no vLLM:
+``metadata.PushsvcMetadata`` is this plan as vLLM carries it, inside its SchedulerOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pushsvc.protocol.worker import RegisterRecv, SendReady
+
+
+@dataclass
+class StepPlan:
+    # D: registrations to forward to the daemon (it sends PUSH_REG to P).
+    recvs: dict[str, RegisterRecv] = field(default_factory=dict)
+    # P: finished requests whose blocks the daemon pushes once D registered.
+    sends: dict[str, SendReady] = field(default_factory=dict)
+    # Either side: requests the engine dropped (aborted, finished early).
+    evictions: list[str] = field(default_factory=list)
+    # D: requests that ended before they were ever scheduled. An empty registration
+    # still goes to P, only so that P frees the blocks it holds for them; nobody on D
+    # waits for its answer.
+    releases: list[RegisterRecv] = field(default_factory=list)
+    # D: dropped before their registration was shipped: report finished at once.
+    dropped_recvs: list[str] = field(default_factory=list)
+    # D: loads the scheduler could not register: report them failed at once, with
+    # these (flat) block ids as load errors.
+    failed_recvs: dict[str, list[int]] = field(default_factory=dict)
+    # Backstop timers that fired in the scheduler: the worker reports these as
+    # finished (and D's as failed loads) whatever the daemon says.
+    expired_recvs: list[str] = field(default_factory=list)
+    expired_sends: list[str] = field(default_factory=list)
+    # No tokens scheduled this step: the engine is only stepping to hear about
+    # transfers, so the worker may wait for the daemon instead of returning at once.
+    idle: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return not (self.recvs or self.sends or self.evictions or self.dropped_recvs or self.failed_recvs
+                    or self.expired_recvs or self.expired_sends or self.releases)
