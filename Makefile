@@ -5,7 +5,12 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo test test-fast test-gpu bench bench-gpu clean
+
+# GPU targets run on a CUDA host, in the Python environment that has CUDA torch and NIXL
+# (the one vLLM runs in), not in .venv (CPU torch): make test-gpu GPU_PYTHON=/path/to/python
+GPU_PYTHON ?= python3
+GPU_ENV    := PYTHONPATH=$(CURDIR):$(CURDIR)/connector$${PYTHONPATH:+:$$PYTHONPATH}
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,11 +34,19 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
+# tests/gpu: two daemons and GPU worker processes on one CUDA GPU (docs/gpu.md).
+test-gpu:
+	$(GPU_ENV) $(GPU_PYTHON) -m pytest tests/gpu -p no:cacheprovider $(TEST_ARGS)
+
 # Transfer microbenchmarks + serving (colocated, vLLM NixlConnector, NixlPushConnector, pushsvc).
 # Results, table.md and charts under bench-results/<time>/; see docs/benchmarks.md.
 # make bench BENCH_ARGS=--quick for a smoke run; BENCH_ARGS="--skip-serving" for the transfer part only.
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+
+# Daemon push vs in-process NIXL vs torch copy on one GPU; JSON + PNG under bench-results/gpu-<time>/.
+bench-gpu:
+	$(GPU_ENV) $(GPU_PYTHON) benchmarks/gpu_push.py --out bench-results/gpu-$$(date +%Y%m%d-%H%M%S) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

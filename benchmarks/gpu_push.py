@@ -1,0 +1,363 @@
+"""GPU push on one GPU: the daemon path side by side with its anchors, in one run.
+
+For 1 to 4096 blocks of vLLM-shaped KV (32 layers, FlashAttention layout, 16 tokens x 8 KV
+heads x 128 dim bf16: 32 KiB per layer half, 2 MiB per block), with P's and D's block ids
+contiguous (a fresh prefill) and scattered (a long-running engine):
+
+* **daemon push**: two ``pushsvc serve --gpu on`` daemons and two worker processes holding
+  the KV (``tests/gpu/kvproc.py``, the connector's worker role). Timed from P's worker
+  handing ``SendReady`` to its daemon (D's registration already at P) until D's worker
+  sees ``RecvDone``: the WRITE into D's landing buffer, in parts, and the copies into D's
+  KV included. The exposed copy is read off D's ``pushsvc_landing_exposed_seconds``.
+* **in-process NIXL**: two processes owning the same KV shapes (``cudaMalloc``), one NIXL
+  agent each, one WRITE of the same block pairs, timed from the post until the target
+  saw the notification.
+* **torch copy**: one device-to-device copy of the same bytes, for scale.
+
+Plus the small-request latency (1 block x 32 layers, worker message to ``RecvDone``).
+Writes ``gpu_push.json`` and ``gpu_push.png`` and prints a table (docs/benchmarks.md).
+
+    python benchmarks/gpu_push.py [--blocks 1,4,16,64,256,1024,4096] [--repeats 5] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "connector"), str(ROOT / "tests" / "gpu"), str(ROOT / "tests" / "integration")]
+
+LAYERS, BLOCK_SIZE, HEADS, DIM = 32, 16, 8, 128
+BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * HEADS * DIM * 2  # 2 MiB
+
+
+def _block_sets(n: int, total: int, pattern: str, seed: int) -> tuple[list[int], list[int]]:
+    if pattern == "contiguous":
+        return list(range(n)), list(range(n))
+    rng = np.random.default_rng(seed)
+    return sorted(rng.choice(total, n, replace=False).tolist()), rng.choice(total, n, replace=False).tolist()
+
+
+# ---------------------------------------------------------------- torch copy
+
+
+def torch_copy(sizes: list[int], repeats: int) -> dict[int, float]:
+    import torch
+
+    out = {}
+    src = torch.empty(max(sizes) * BLOCK_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for n in sizes:
+        nbytes = n * BLOCK_BYTES
+        times = []
+        for _ in range(repeats + 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst[:nbytes].copy_(src[:nbytes])
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1000)
+        out[n] = statistics.median(times[1:])
+    del src, dst
+    torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------- in-process NIXL
+
+
+def _kv_layout(total_blocks: int):
+    import torch
+
+    from pushsvc.state.layout import Layout, RegionSpec
+    from pushsvc_connector.kvlayout import regions_of
+
+    tensors = [torch.empty(2, total_blocks, BLOCK_SIZE, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+               for _ in range(LAYERS)]
+    regions = []
+    for i, t in enumerate(tensors):
+        for r in regions_of(f"l{i}", t, 0, 0, total_blocks):
+            regions.append(RegionSpec(t.data_ptr() + r.offset, r.block_len, r.num_blocks, r.stride, 0))
+    return tensors, Layout(tuple(regions))
+
+
+def _anchor_target(conn, total_blocks: int) -> None:
+    from pushsvc.engine.nixl import NixlEngine
+    from pushsvc.state.layout import descriptor_table
+
+    tensors, layout = _kv_layout(total_blocks)
+    agent = NixlEngine(["UCX"]).create_agent("anchor-target")
+    agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], "VRAM", 0)
+    conn.send((agent.metadata(), descriptor_table(layout, 0), layout))
+    agent.add_remote(conn.recv())
+    while True:
+        want = conn.recv()
+        if want is None:
+            break
+        conn.send("armed")
+        seen: set[bytes] = set()
+        while want.encode() not in seen:
+            for msgs in agent.notifs().values():
+                seen.update(msgs)
+        conn.send(time.perf_counter())
+    agent.close()
+
+
+def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int) -> dict:
+    from pushsvc.engine.base import XferState
+    from pushsvc.engine.nixl import NixlEngine
+    from pushsvc.state.layout import descriptor_table, plan_write
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_anchor_target, args=(child, total_blocks))
+    proc.start()
+    tensors, layout = _kv_layout(total_blocks)
+    agent = NixlEngine(["UCX"]).create_agent("anchor-initiator")
+    agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], "VRAM", 0)
+    meta, remote_descs, remote_layout = parent.recv()
+    parent.send(agent.metadata())
+    name = agent.add_remote(meta)
+    local = agent.prep_local(descriptor_table(layout, 0), "VRAM")
+    remote = agent.prep_remote(name, remote_descs, "VRAM")
+    out: dict = {}
+    for pattern in patterns:
+        for n in sizes:
+            src_ids, dst_ids = _block_sets(n, total_blocks, pattern, n)
+            plan = plan_write(layout, remote_layout, [src_ids], [dst_ids])
+            times = []
+            for rep in range(repeats + 1):
+                tag = f"{pattern}-{n}-{rep}"
+                parent.send(tag)
+                parent.recv()
+                t0 = time.perf_counter()
+                handle, state = agent.write(local, plan.src_indices, remote, plan.dst_indices, tag.encode())
+                while state is XferState.PROC:
+                    state = agent.state(handle)
+                agent.release(handle)
+                seen = parent.recv()
+                if rep:
+                    times.append(max(seen, time.perf_counter()) - t0)
+            out[(pattern, n)] = statistics.median(times)
+            print(f"  nixl in-process {pattern:10s} {n:5d} blocks: {out[(pattern, n)] * 1e3:8.3f} ms", flush=True)
+    parent.send(None)
+    proc.join(60)
+    agent.close()
+    return out
+
+
+# ---------------------------------------------------------------- daemon push
+
+
+class _Proc:
+    """A kvproc worker driven asynchronously: commands out, replies read when wanted."""
+
+    def __init__(self, daemon, role: str, blocks: int, seed: int) -> None:
+        from gpuprocs import GpuWorker  # tests/gpu
+
+        self.w = GpuWorker(daemon, role, layout="flash", layers=LAYERS, blocks=blocks, seed=seed)
+
+    def send(self, op: str, **kw) -> None:
+        self.w.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.w.proc.stdin.flush()
+
+    def reply(self) -> dict:
+        out = self.w._read()
+        if not out.get("ok"):
+            raise RuntimeError(out.get("error"))
+        return out
+
+    def call(self, op: str, **kw) -> dict:
+        self.send(op, **kw)
+        return self.reply()
+
+
+def _hist(daemon, name: str) -> tuple[float, float]:
+    return daemon.metric(f"{name}_sum"), daemon.metric(f"{name}_count")
+
+
+_PHASES = (("prefill", "send_ready"), ("prefill", "write_posted"), ("decode", "write_announced"),
+           ("decode", "part_landed"), ("decode", "completion"), ("decode", "copies_done"), ("decode", "recv_done"),
+           ("prefill", "write_settled"))
+
+
+def phases(p_log: str, d_log: str) -> dict[str, dict[str, float]]:
+    """Per request, ms from P's ``send_ready`` to each daemon event (debug logs, one
+    host's wall clock): where the time of a push goes. ``part_landed`` is the last part."""
+    from datetime import datetime
+
+    seen: dict[str, dict[str, float]] = {}
+    for side, text in (("prefill", p_log), ("decode", d_log)):
+        for line in text.splitlines():
+            if not line.startswith("{"):
+                continue
+            e = json.loads(line)
+            if (side, e.get("event")) in _PHASES and "request_id" in e:
+                seen.setdefault(e["request_id"], {})[e["event"]] = datetime.fromisoformat(e["timestamp"]).timestamp()
+    out = {}
+    for rid, ev in seen.items():
+        if "send_ready" in ev:
+            out[rid] = {k: round((v - ev["send_ready"]) * 1e3, 3) for k, v in ev.items()}
+    return out
+
+
+def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int, small_reps: int,
+                log_level: str = "warning") -> dict:
+    from procs import start_daemon
+
+    base = Path(tempfile.mkdtemp(prefix="psbench-gpu-"))
+    landing_mib = (total_blocks * BLOCK_BYTES >> 20) + 64
+    p_daemon = start_daemon(base, "prefill", "--gpu", "on", "--log-level", log_level, timeout=120)
+    d_daemon = start_daemon(base, "decode", "--gpu", "on", "--log-level", log_level, "--landing-mib",
+                            str(landing_mib), timeout=120)
+    p = _Proc(p_daemon, "producer", total_blocks, 1)
+    d = _Proc(d_daemon, "consumer", total_blocks, 2)
+    out: dict = {"push": {}, "exposed": {}, "parts": {}}
+    seq = 0
+
+    def one(n: int, p_ids: list[int], d_ids: list[int]) -> tuple[float, float]:
+        nonlocal seq
+        rid = f"b{seq}"
+        seq += 1
+        regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
+        d.call("recv", p_engine="prefill", p_port=p_daemon.side_port, requests=[{"rid": rid, "blocks": d_ids}])
+        deadline = time.monotonic() + 10
+        while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") <= regs:
+            if time.monotonic() > deadline:
+                raise RuntimeError("D's registration never reached P")
+            time.sleep(0.001)
+        d.send("wait", rids=[rid], timeout=60, spin=True)  # D's worker polls from now on
+        time.sleep(0.002)
+        t0 = p.call("send", requests=[{"rid": rid, "blocks": p_ids}])["t"]
+        got = d.reply()
+        p.call("wait", rids=[rid], timeout=60)
+        fin = got["finished"][rid]
+        if fin["errors"]:
+            raise RuntimeError(f"{rid}: load failed")
+        return fin["t"] - t0, t0
+
+    for pattern in patterns:
+        for n in sizes:
+            p_ids, d_ids = _block_sets(n, total_blocks, pattern, n + 7)
+            exp0, parts0 = _hist(d_daemon, "pushsvc_landing_exposed_seconds"), p_daemon.metric(
+                "pushsvc_write_parts_total")
+            one(n, p_ids, d_ids)  # warm-up
+            exp0, parts0 = _hist(d_daemon, "pushsvc_landing_exposed_seconds"), p_daemon.metric(
+                "pushsvc_write_parts_total")
+            times = [one(n, p_ids, d_ids)[0] for _ in range(repeats)]
+            exp1, parts1 = _hist(d_daemon, "pushsvc_landing_exposed_seconds"), p_daemon.metric(
+                "pushsvc_write_parts_total")
+            out["push"][(pattern, n)] = statistics.median(times)
+            out["exposed"][(pattern, n)] = (exp1[0] - exp0[0]) / max(1.0, exp1[1] - exp0[1])
+            out["parts"][(pattern, n)] = (parts1 - parts0) / repeats
+            print(f"  daemon push     {pattern:10s} {n:5d} blocks: {out['push'][(pattern, n)] * 1e3:8.3f} ms "
+                  f"(exposed copy {out['exposed'][(pattern, n)] * 1e3:.3f} ms, "
+                  f"{out['parts'][(pattern, n)]:.0f} parts)", flush=True)
+    small = [one(1, [5], [9])[0] for _ in range(small_reps)]
+    out["small"] = {"p50_ms": float(np.percentile(small, 50) * 1e3), "p90_ms": float(np.percentile(small, 90) * 1e3),
+                    "p99_ms": float(np.percentile(small, 99) * 1e3), "n": len(small)}
+    out["daemon_info"] = {"prefill": p_daemon.live_info(), "decode": d_daemon.live_info()}
+    if log_level == "debug":
+        out["phases"] = phases(p_daemon.log(), d_daemon.log())
+    for w in (p, d):
+        w.w.close()
+    for daemon in (p_daemon, d_daemon):
+        daemon.stop()
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def _chart(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, pattern in zip(axes, ("contiguous", "scattered")):
+        sub = [r for r in rows if r["pattern"] == pattern]
+        if not sub:
+            continue
+        blocks = [r["blocks"] for r in sub]
+        for key, label in (("daemon_gb_s", "daemon push (incl. D copy)"), ("nixl_gb_s", "in-process NIXL WRITE"),
+                           ("torch_gb_s", "torch device copy")):
+            ax.plot(blocks, [r[key] for r in sub], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{pattern} block ids")
+        ax.set_xlabel("blocks (2 MiB each: 32 layers x K,V x 32 KiB)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", default="1,4,16,64,256,1024,4096")
+    ap.add_argument("--patterns", default="contiguous,scattered")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--small", type=int, default=50)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--phases", action="store_true",
+                    help="daemon push only, daemons logging at debug: where each push's time goes")
+    args = ap.parse_args()
+    sizes = [int(b) for b in args.blocks.split(",")]
+    patterns = args.patterns.split(",")
+    total = max(sizes) + 256
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.phases:
+        push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug")
+        (out_dir / "gpu_phases.json").write_text(json.dumps(push["phases"], indent=2))
+        for rid, ev in list(push["phases"].items())[:: max(1, len(push["phases"]) // 40)]:
+            print(rid, " ".join(f"{k}={v}" for k, v in sorted(ev.items(), key=lambda kv: kv[1])))
+        return
+    print("torch copy ...", flush=True)
+    copy = torch_copy(sizes, args.repeats)
+    print("in-process NIXL ...", flush=True)
+    anchor = nixl_anchor(sizes, total, patterns, args.repeats)
+    print("daemon push ...", flush=True)
+    push = daemon_push(sizes, total, patterns, args.repeats, args.small)
+    rows = []
+    for pattern in patterns:
+        for n in sizes:
+            nbytes = n * BLOCK_BYTES
+            d, a, c = push["push"][(pattern, n)], anchor[(pattern, n)], copy[n]
+            rows.append({"pattern": pattern, "blocks": n, "bytes": nbytes, "daemon_s": d, "nixl_s": a, "torch_s": c,
+                         "daemon_gb_s": nbytes / d / 1e9, "nixl_gb_s": nbytes / a / 1e9, "torch_gb_s": nbytes / c / 1e9,
+                         "daemon_vs_nixl": a / d, "exposed_copy_s": push["exposed"][(pattern, n)],
+                         "exposed_share": push["exposed"][(pattern, n)] / d, "parts": push["parts"][(pattern, n)]})
+    result = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, "small_request": push["small"],
+              "layout": {"layers": LAYERS, "block_size": BLOCK_SIZE, "kv_heads": HEADS, "head_dim": DIM,
+                         "dtype": "bfloat16", "block_bytes": BLOCK_BYTES},
+              "daemon_info": push["daemon_info"]}
+    (out_dir / "gpu_push.json").write_text(json.dumps(result, indent=2))
+    _chart(rows, out_dir / "gpu_push.png")
+    print("\n| ids | blocks | MiB | daemon push GB/s | in-process NIXL GB/s | daemon / NIXL | torch copy GB/s "
+          "| exposed copy | parts |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['pattern']} | {r['blocks']} | {r['bytes'] >> 20} | {r['daemon_gb_s']:.1f} | {r['nixl_gb_s']:.1f} "
+              f"| {r['daemon_vs_nixl'] * 100:.0f}% | {r['torch_gb_s']:.0f} | {r['exposed_share'] * 100:.1f}% "
+              f"({r['exposed_copy_s'] * 1e3:.3f} ms) | {r['parts']:.0f} |")
+    s = push["small"]
+    print(f"\nsmall request (1 block x 32 layers): SendReady -> RecvDone p50 {s['p50_ms']:.3f} ms, "
+          f"p90 {s['p90_ms']:.3f} ms, p99 {s['p99_ms']:.3f} ms over {s['n']}")
+
+
+if __name__ == "__main__":
+    main()
