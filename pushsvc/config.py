@@ -100,6 +100,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: str = "info"
     # Digest every pushed block on P and check it on D (costs a hash pass over the KV).
     verify: bool = False
+    # Request timelines kept for GET /v1/requests (docs/architecture.md); 0 keeps none
+    # (the phase histogram and the request_timeline log event stay).
+    timelines_kept: int = 256
     # GPU path (docs/gpu.md). "auto": CUDA support is loaded at start when the installed
     # torch is a CUDA build; "on": required; "off": CUDA KV registrations are refused.
     gpu: str = "auto"
@@ -161,6 +164,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for name in ("landing_mib", "write_part_mib"):
             if not 0 <= getattr(self, name) <= 1 << 20:
                 raise ConfigError(name, f"must be in 0..{1 << 20} MiB, got {getattr(self, name)}")
+        if not 0 <= self.timelines_kept <= 100_000:
+            raise ConfigError("timelines_kept", f"must be in 0..100000, got {self.timelines_kept}")
         if not self.nixl_backends or not all(self.nixl_backends):
             raise ConfigError("nixl_backends", "must name at least one backend, none empty")
         if any(uid < 0 for uid in self.allowed_uids):

@@ -69,6 +69,11 @@ class Metrics:
             buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1, 1),
             registry=r)
         self.write_parts = Counter("pushsvc_write_parts", "WRITEs posted, counting every part", registry=r)
+        # Request timelines (docs/architecture.md): the time from each event of a request's
+        # path to the next, and the whole (phase="total").
+        self.phase_seconds = Histogram(
+            "pushsvc_phase_seconds", "Per request: seconds from the previous event of its path to this one",
+            ["side", "phase"], buckets=(0.00005, 0.0001, 0.00025, *_LATENCY_BUCKETS, 30, 60), registry=r)
         # process_open_fds, process_resident_memory_bytes, ...: leak checks read them.
         ProcessCollector(registry=r)
 

@@ -190,6 +190,7 @@ class Daemon:
                 for p in self.service.peers.peers.values()
             ],
             "tables": self.service.table_sizes(),
+            "open_timelines": self.service.timelines.open_count,
             "nixl_handles": self.service.nixl_handles(),
             "gpu": None if self.devmem is None else {
                 "memory": self.devmem.name, **self.devmem.usage(),
@@ -199,6 +200,9 @@ class Daemon:
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()
+
+    def requests(self, limit: int, request_id: str) -> list[dict[str, Any]]:
+        return self.service.timelines.recent(limit, request_id)
 
     def __repr__(self) -> str:
         return f"<Daemon {self.config.engine_id} started={self.started} exit={self.should_exit}>"

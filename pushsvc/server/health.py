@@ -33,12 +33,14 @@ IDLE_TIMEOUT_S = 10.0
 # that reconnects at once turns into a connect flood.
 MAX_CONNECTIONS = 1024
 _BACKLOG = 128
+MAX_REQUESTS_LIMIT = 10_000
 
 
 class HealthSource(Protocol):
     def readiness(self) -> tuple[bool, dict[str, Any]]: ...
     def info(self) -> dict[str, Any]: ...
     def metrics_text(self) -> bytes: ...
+    def requests(self, limit: int, request_id: str) -> list[dict[str, Any]]: ...
 
 
 class HealthServer:
@@ -61,6 +63,7 @@ class HealthServer:
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/info", self._info)
+        app.router.add_get("/v1/requests", self._requests)
         return app
 
     async def start(self) -> int:
@@ -128,6 +131,18 @@ class HealthServer:
 
     async def _info(self, request: web.Request) -> web.Response:
         return web.json_response(self._source.info())
+
+    async def _requests(self, request: web.Request) -> web.Response:
+        """The recent request timelines, newest first: ``?limit=`` (1..10000, default 100),
+        ``?request_id=`` (either side's id)."""
+        try:
+            limit = int(request.query.get("limit", "100"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= MAX_REQUESTS_LIMIT:
+            return web.json_response({"error": f"limit must be an integer in 1..{MAX_REQUESTS_LIMIT}"}, status=400)
+        request_id = request.query.get("request_id", "")[:1024]
+        return web.json_response({"timelines": self._source.requests(limit, request_id)})
 
 
 def _is_idle(handler: RequestHandler) -> bool:

@@ -18,6 +18,7 @@ import structlog
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import worker as wp
 from pushsvc.server.ranks import Rank, RankRegistry
+from pushsvc.server.timelines import Timelines
 
 log = structlog.get_logger("pushsvc.outbox")
 
@@ -25,8 +26,9 @@ MAX_KEPT = 1 << 16
 
 
 class Outbox:
-    def __init__(self, ranks: RankRegistry, metrics: Metrics, keep_s: float) -> None:
+    def __init__(self, ranks: RankRegistry, metrics: Metrics, keep_s: float, timelines: Timelines) -> None:
         self._ranks = ranks
+        self._timelines = timelines  # a request's final event ends its timeline
         self._metrics = metrics
         self._keep_s = keep_s
         # (rank number, pid) -> events for that process, with the time they were kept
@@ -34,6 +36,7 @@ class Outbox:
         self._count = 0
 
     def tell(self, rank: Rank, msg: wp.DaemonMessage) -> None:
+        self._timelines.final(rank, msg)
         conn = rank.conn
         if conn is None:
             successor = self._ranks.successor(rank)

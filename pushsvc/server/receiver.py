@@ -34,6 +34,7 @@ from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
 from pushsvc.server.tasks import TaskSet
+from pushsvc.server.timelines import Timelines
 from pushsvc.server.verify import count_mismatches, digest_memory
 from pushsvc.state.consumer import (
     CompletionOutcome,
@@ -47,6 +48,7 @@ from pushsvc.state.consumer import (
 )
 from pushsvc.state.landing import AllocOutcome
 from pushsvc.state.layout import check_block_ids, dest_indices
+from pushsvc.state.timeline import RECV
 
 log = structlog.get_logger("pushsvc.receiver")
 
@@ -68,8 +70,9 @@ class ReceiveSettings:
 
 class Receiver:
     def __init__(self, *, settings: ReceiveSettings, outbox: Outbox, peers: PeerLink, metrics: Metrics,
-                 tasks: TaskSet, wake: Callable[[], None]) -> None:
+                 tasks: TaskSet, wake: Callable[[], None], timelines: Timelines) -> None:
         self._settings = settings
+        self._timelines = timelines
         self._outbox = outbox
         self._peers = peers
         self._metrics = metrics
@@ -115,6 +118,7 @@ class Receiver:
             return
         entry = table.add(rid, msg.local_block_ids, remote, self._now(), msg.match_key)
         assert entry is not None  # duplicates were answered above
+        self._timelines.open(rank, RECV, rid, "registered")
         if self.landing.active(rank):
             outcome, why = self.landing.reserve(rank, rid, msg.local_block_ids)
             if outcome is AllocOutcome.TOO_LARGE:
@@ -139,6 +143,7 @@ class Receiver:
         if entry is None or entry.state is not RecvState.PENDING:
             return
         self._metrics.landing_wait_seconds.observe(waited_s)
+        self._timelines.mark(rank, RECV, rid, "landing_granted")
         log.info("landing_granted", request_id=rid, rank=rank.number, waited_s=round(waited_s, 6))
         self._dispatch(rank, entry)
 
@@ -198,6 +203,7 @@ class Receiver:
             self._fail(rank, entry.request_id, "handshake_failed", str(exc))
             return
         self._of(rank).mark_sent(entry.request_id, peer.daemon_id, agent)
+        self._timelines.mark(rank, RECV, entry.request_id, "push_reg_sent")
         self._wake()
 
     def _push_reg(self, rank: Rank, entry: PendingRecv, peer: Peer) -> str:
@@ -290,6 +296,7 @@ class Receiver:
             log.info("completion_ignored", request_id=rid, peer=sender, reason="unknown or late")
             return
         self._metrics.notifications.labels("completion").inc()
+        self._timelines.mark(rank, RECV, rid, "completion")
         log.debug("completion", request_id=rid, peer=sender, outcome=outcome.value)
         if outcome is CompletionOutcome.CANCELLED:
             self._tell_final(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
@@ -306,6 +313,7 @@ class Receiver:
             table = self._tables.get(rank)
             if table is None or table.sent_by(msg.request_id, peer.daemon_id) is None:
                 continue
+            self._timelines.mark(rank, RECV, msg.request_id, "write_announced")
             landed = table.announce(msg.request_id, peer.daemon_id, msg.digests, self._now())
             if landed is not None:  # the completion overtook the digests
                 self._settle(rank, msg.request_id, lambda error: self._verified(rank, landed, error))
@@ -339,7 +347,11 @@ class Receiver:
         """``rid`` is final: ``action`` tells the worker, once no copy into its blocks is in
         flight (at once where nothing is landing for it)."""
         if self.landing.active(rank):
-            self.landing.finish(rank, rid, action)
+            def after_copies(error: str) -> None:
+                self._timelines.mark(rank, RECV, rid, "copies_done")
+                action(error)
+
+            self.landing.finish(rank, rid, after_copies)
         else:
             action("")
 

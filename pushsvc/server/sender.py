@@ -33,9 +33,11 @@ from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
 from pushsvc.server.remotes import registration_error
 from pushsvc.server.tasks import TaskSet
+from pushsvc.server.timelines import Timelines
 from pushsvc.server.verify import digest_memory
 from pushsvc.state.landing import parts_for
 from pushsvc.state.layout import check_block_ids, plan_write, split_plan
+from pushsvc.state.timeline import SEND
 from pushsvc.state.producer import (
     ExpiryKind,
     Match,
@@ -88,8 +90,10 @@ class _RankSends:
 
 class Sender:
     def __init__(self, *, settings: SendSettings, outbox: Outbox, peers: PeerLink, metrics: Metrics,
-                 tasks: TaskSet, drain: Callable[[Rank], None], wake: Callable[[], None]) -> None:
+                 tasks: TaskSet, drain: Callable[[Rank], None], wake: Callable[[], None],
+                 timelines: Timelines) -> None:
         self._settings = settings
+        self._timelines = timelines
         self._outbox = outbox
         self._peers = peers
         self._metrics = metrics
@@ -128,6 +132,7 @@ class Sender:
             log.warning("send_rejected", request_id=rid, rank=rank.number, error=str(exc))
             self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason=str(exc)))
             return
+        self._timelines.open(rank, SEND, rid, "send_ready")
         self._drain(rank)  # a PUSH_REG may already be queued in the agent: read it first
         result = state.table.add_staged(rid, msg.block_ids, self._now(), msg.match_key)
         if result.outcome is StageOutcome.DUPLICATE:
@@ -273,6 +278,8 @@ class Sender:
     # ------------------------------------------------------------------ the WRITE
 
     def _start_push(self, rank: Rank, match: Match) -> None:
+        self._timelines.mark(rank, SEND, match.request_id, "matched")
+        self._timelines.paired(rank, match.request_id, match.registration.request_id)
         peer = self._peers.find_agent(match.registration.sender)
         if peer is not None and peer.alive:
             self._write(rank, match, peer)
@@ -329,6 +336,7 @@ class Sender:
         write = Write(match, handles, target.agent_name, plan.nbytes, now, started, failed=failed and
                       f"write_submit_failed: {failed}")
         self._of(rank).writes[match.request_id] = write
+        self._timelines.mark(rank, SEND, match.request_id, "write_posted")
         self._metrics.transfer_blocks.inc(plan.logical_blocks)
         log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=plan.nbytes,
                   descriptors=len(plan.src_indices), parts=len(handles))
@@ -399,6 +407,7 @@ class Sender:
         state = self._of(rank)
         del state.writes[rid]
         seconds = time.perf_counter() - write.started
+        self._timelines.mark(rank, SEND, rid, "write_settled")
         log.debug("write_settled", request_id=rid, state="ERR" if write.failed else "DONE", error=write.failed or None,
                   seconds=round(seconds, 6))
         if not write.failed:

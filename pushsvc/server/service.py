@@ -33,6 +33,7 @@ from pushsvc.server.receiver import ReceiveSettings, Receiver
 from pushsvc.server.remotes import RemoteAgents
 from pushsvc.server.sender import Sender, SendSettings
 from pushsvc.server.tasks import TaskSet
+from pushsvc.server.timelines import Timelines
 from pushsvc.state.layout import MAX_DESCRIPTORS
 
 log = structlog.get_logger("pushsvc.service")
@@ -72,11 +73,14 @@ class PushService:
             allowed_host=PeerHostPolicy.build(config.allowed_peer_hosts).allows,
         )
         # A worker whose connection broke has its requests' events kept this long for it.
-        self.outbox = outbox = Outbox(self.ranks, metrics, keep_s=max(config.watchdog_s, config.lease_s))
+        self.timelines = timelines = Timelines(metrics, config.timelines_kept)
+        self.outbox = outbox = Outbox(self.ranks, metrics, keep_s=max(config.watchdog_s, config.lease_s),
+                                      timelines=timelines)
         self.sender = Sender(settings=SendSettings.of(config), outbox=outbox, peers=self.peers, metrics=metrics,
-                             tasks=self._tasks, drain=self.drain_notifs, wake=self._wake)
+                             tasks=self._tasks, drain=self.drain_notifs, wake=self._wake, timelines=timelines)
         self.receiver = Receiver(settings=ReceiveSettings.of(config, self.daemon_id), outbox=outbox,
-                                 peers=self.peers, metrics=metrics, tasks=self._tasks, wake=self._wake)
+                                 peers=self.peers, metrics=metrics, tasks=self._tasks, wake=self._wake,
+                                 timelines=timelines)
         metrics.watch_nixl_handles(self.nixl_handles)
         metrics.watch_tables(self.table_sizes)
         metrics.inflight_writes.set_function(self.writes_in_flight)
@@ -215,6 +219,7 @@ class PushService:
     def _close(self, rank: Rank) -> None:
         self.sender.forget(rank)
         self.receiver.forget(rank)
+        self.timelines.forget(rank)
         rank.close()
 
     # ================================================================ peer events

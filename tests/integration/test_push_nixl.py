@@ -73,6 +73,35 @@ def test_push_lands_exact_bytes(spawn, order):
     assert _tables_empty(P, D)
     assert P.metric("pushsvc_transfers_total", result="done") == 1
     assert P.metric("pushsvc_transfer_bytes_total") == len(p_blocks) * 2 * LAYERS * BLOCK_LEN
+    _check_timelines(P, D, rid_p, rid_d)
+
+
+def _check_timelines(P, D, rid_p, rid_d):
+    """Each daemon kept and logged the request's path; P's names D's request, and on the
+    host's one monotonic clock D's registration comes before its completion, and P's
+    WRITE settles before D sees the completion."""
+    import json
+    from datetime import datetime
+
+    [p_line] = json.loads(P.get(f"/v1/requests?request_id={rid_d}")[1])["timelines"]
+    [d_line] = json.loads(D.get(f"/v1/requests?request_id={rid_d}")[1])["timelines"]
+    assert p_line["request_id"] == rid_p and p_line["peer_request_id"] == rid_d and p_line["outcome"] == "send_done"
+    assert list(p_line["events_ms"]) == ["send_ready", "matched", "write_posted", "write_settled", "send_done"]
+    assert d_line["request_id"] == rid_d and d_line["outcome"] == "recv_done"
+    # write_announced: P's WriteStarted, sent while a WRITE is still in progress at its post.
+    assert [e for e in d_line["events_ms"] if e != "write_announced"] == [
+        "registered", "push_reg_sent", "completion", "recv_done"]
+    assert list(d_line["events_ms"].values()) == sorted(d_line["events_ms"].values())
+
+    def at(line, event):
+        return datetime.fromisoformat(line["start"]).timestamp() + line["events_ms"][event] / 1e3
+
+    assert at(d_line, "registered") <= at(d_line, "completion")
+    assert at(p_line, "write_posted") <= at(d_line, "completion") + 0.002  # wall offsets differ by microseconds
+    for daemon, side, rid in ((P, "send", rid_p), (D, "recv", rid_d)):
+        logged = [json.loads(line) for line in daemon.log().splitlines() if '"request_timeline"' in line]
+        assert [(e["request_id"], e["side"]) for e in logged] == [(rid, side)]
+        assert daemon.metric("pushsvc_phase_seconds_count", side=side, phase="total") == 1
 
 
 def test_prefix_hit_writes_only_the_tail(spawn):

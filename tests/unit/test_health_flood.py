@@ -27,6 +27,9 @@ class Source:
     def metrics_text(self) -> bytes:
         return b""
 
+    def requests(self, limit: int, request_id: str) -> list[dict[str, Any]]:
+        return []
+
 
 @contextlib.asynccontextmanager
 async def health(**kw: Any) -> AsyncIterator[tuple[HealthServer, Metrics]]:

@@ -14,6 +14,7 @@ from pushsvc.server import outbox as outbox_module
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.ranks import Rank, RankRegistry
 from pushsvc.server.remotes import RemoteAgents
+from pushsvc.server.timelines import Timelines
 
 
 class Conn:
@@ -36,7 +37,7 @@ def dropped(metrics: Metrics, kind: str) -> float:
 @pytest.mark.asyncio
 async def test_events_go_to_the_rank_or_wait_for_the_same_process() -> None:
     ranks, metrics = RankRegistry(), Metrics()
-    out = Outbox(ranks, metrics, keep_s=60.0)
+    out = Outbox(ranks, metrics, keep_s=60.0, timelines=Timelines(metrics, 0))
     old = rank(0, 42, None)  # its connection broke
     ranks.retiring.append(old)
     out.tell(old, wp.RecvDone(request_id="a"))
@@ -59,7 +60,7 @@ async def test_events_go_to_the_rank_or_wait_for_the_same_process() -> None:
 async def test_kept_events_expire_and_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(outbox_module, "MAX_KEPT", 3)
     ranks, metrics = RankRegistry(), Metrics()
-    out = Outbox(ranks, metrics, keep_s=1.0)
+    out = Outbox(ranks, metrics, keep_s=1.0, timelines=Timelines(metrics, 0))
     gone = rank(1, 9, None)
     for i in range(5):
         out.tell(gone, wp.RecvDone(request_id=f"r{i}"))
@@ -70,6 +71,6 @@ async def test_kept_events_expire_and_are_bounded(monkeypatch: pytest.MonkeyPatc
 
 def test_an_event_for_a_rank_without_pid_is_dropped() -> None:
     ranks, metrics = RankRegistry(), Metrics()
-    out = Outbox(ranks, metrics, keep_s=1.0)
+    out = Outbox(ranks, metrics, keep_s=1.0, timelines=Timelines(metrics, 0))
     out.tell(rank(0, 0, None), wp.SendFailed(request_id="x", reason="r"))
     assert out.kept == 0 and dropped(metrics, "SendFailed") == 1
