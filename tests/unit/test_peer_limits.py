@@ -63,6 +63,37 @@ async def test_handshakes_in_progress_are_capped(monkeypatch: pytest.MonkeyPatch
             s.close()
 
 
+async def _hello_as(port: int, name: str) -> Raw:
+    """A session that completes the (unauthenticated) handshake as daemon ``name``."""
+    raw = await Raw.connect(port)
+    await raw.reader.readexactly(PREAMBLE.size)
+    assert isinstance(await raw.read_msg(), pp.PeerHello)  # the acceptor speaks first
+    hello = pp.PeerHello(daemon_id=name, engine_id=name, side_channel_host="127.0.0.1", side_channel_port=1,
+                         agents=[])
+    raw.writer.write(encode_preamble(pp.MAGIC, pp.MAJOR, pp.MINOR) + frame(pp.encode(hello)))
+    return raw
+
+
+@pytest.mark.asyncio
+async def test_sessions_are_capped_and_a_closed_one_makes_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peers_module, "MAX_SESSIONS", 2)
+    p, pm, _ = manager("prefill", None)
+    async with started(p):
+        live = [await _hello_as(p.port, f"peer{i}") for i in range(2)]
+        await eventually(lambda: all(p.find_engine(f"peer{i}") for i in range(2)), "both sessions adopted")
+        extra = await Raw.connect(p.port)
+        assert await extra.rest() == b"", "the third is closed at once, without a preamble"
+        assert sample(pm, "pushsvc_rejected_connections_total", listener="side_channel",
+                      reason="too_many_sessions") == 1
+        assert p.find_engine("peer0") and p.find_engine("peer1"), "the sessions in place are kept"
+        live[0].close()
+        await eventually(lambda: p.find_engine("peer0") is None, "the closed session to end")
+        again = await _hello_as(p.port, "peer2")
+        await eventually(lambda: p.find_engine("peer2") is not None, "a new session in the freed place")
+        for raw in [*live, extra, again]:
+            raw.close()
+
+
 @pytest.mark.asyncio
 async def test_a_peer_cannot_announce_more_agents_than_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(peers_module, "MAX_AGENTS_PER_PEER", 2)
