@@ -1,8 +1,8 @@
 """D's side: registrations out (PUSH_REG), completions in, withdrawals settled.
 
-One ``ConsumerTable`` per ``Rank``. A registration goes out as soon as P's daemon is
-known; otherwise the handshake runs in its own task, so no other request waits behind
-it. The blocks of a registration P may be writing into are reported (``RecvFailed``)
+One ``ConsumerTable`` per ``Rank``. A registration's PUSH_REG goes out through the
+``Registrar`` (``registrar.py``): at once where P's daemon is known, else after a
+handshake in a task of its own, so no other request waits behind it. The blocks of a registration P may be writing into are reported (``RecvFailed``)
 only once no WRITE can land in them: P confirmed, the WRITE's completion came, P is
 known dead, or P has been lost for the grace (``state/consumer.py``).
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import structlog
 
 from pushsvc.config import Config
-from pushsvc.errors import HandshakeError, LayoutError, ProtocolError, TransferError
+from pushsvc.errors import LayoutError, ProtocolError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
@@ -33,6 +33,7 @@ from pushsvc.server.landing import Action, Landing, PartOutcome
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
+from pushsvc.server.registrar import Identity, Registrar
 from pushsvc.server.tasks import TaskSet
 from pushsvc.server.timelines import Timelines
 from pushsvc.server.verify import count_mismatches, digest_memory
@@ -76,10 +77,12 @@ class Receiver:
         self._outbox = outbox
         self._peers = peers
         self._metrics = metrics
-        self._tasks = tasks
         self._wake = wake
         self._tables: dict[Rank, ConsumerTable] = {}
         self.landing = Landing(metrics=metrics, now=self._now, granted=self._granted)
+        self._registrar = Registrar(
+            identity=Identity(settings.engine_id, settings.daemon_id, settings.advertised_host), peers=peers,
+            tasks=tasks, landing=self.landing, timelines=timelines, table=self._of, fail=self._fail, wake=wake)
 
     def _of(self, rank: Rank) -> ConsumerTable:
         table = self._tables.get(rank)
@@ -128,14 +131,7 @@ class Receiver:
             if outcome is AllocOutcome.QUEUED:
                 self._wake()
                 return  # its PUSH_REG goes out when ``_granted`` hears of its slots
-        self._dispatch(rank, entry)
-
-    def _dispatch(self, rank: Rank, entry: PendingRecv) -> None:
-        peer = self._peers.find_engine(entry.remote.engine_id)
-        if peer is not None:
-            self._send_push_reg(rank, entry, peer)
-        else:
-            self._tasks.spawn(self._register_with_peer(rank, entry))
+        self._registrar.dispatch(rank, entry)
 
     def _granted(self, rank: Rank, rid: str, waited_s: float) -> None:
         """A registration that waited for landing space has its slots now."""
@@ -145,7 +141,7 @@ class Receiver:
         self._metrics.landing_wait_seconds.observe(waited_s)
         self._timelines.mark(rank, RECV, rid, "landing_granted")
         log.info("landing_granted", request_id=rid, rank=rank.number, waited_s=round(waited_s, 6))
-        self._dispatch(rank, entry)
+        self._registrar.dispatch(rank, entry)
 
     def _refusal(self, rank: Rank, msg: wp.RegisterRecv, predecessors: list[Rank]) -> str:
         if rank.memory is None:
@@ -165,74 +161,7 @@ class Receiver:
         return ""
 
     def _release(self, rank: Rank, msg: wp.RegisterRecv, remote: Remote) -> None:
-        """Fire and forget: tell P to free the blocks it holds for ``msg``."""
-        entry = PendingRecv(msg.request_id, [], remote, self._now(), None, 1, msg.match_key)
-        peer = self._peers.find_engine(remote.engine_id)
-        if peer is None:
-            self._tasks.spawn(self._release_after_handshake(rank, entry))
-            return
-        try:
-            self._push_reg(rank, entry, peer)
-        except (HandshakeError, TransferError) as exc:  # P's lease frees its blocks instead
-            log.info("release_unsent", request_id=entry.request_id, peer=remote.engine_id, error=str(exc))
-
-    async def _release_after_handshake(self, rank: Rank, entry: PendingRecv) -> None:
-        r = entry.remote
-        try:
-            self._push_reg(rank, entry, await self._peers.ensure(r.host, r.port, r.engine_id))
-        except (HandshakeError, TransferError) as exc:
-            log.info("release_unsent", request_id=entry.request_id, peer=r.engine_id, error=str(exc))
-
-    async def _register_with_peer(self, rank: Rank, entry: PendingRecv) -> None:
-        r = entry.remote
-        try:
-            peer = await self._peers.ensure(r.host, r.port, r.engine_id)
-        except HandshakeError as exc:
-            self._fail(rank, entry.request_id, "handshake_failed", str(exc))
-            return
-        if self._of(rank).pending.get(entry.request_id) is entry:  # not evicted meanwhile
-            self._send_push_reg(rank, entry, peer)
-
-    def _send_push_reg(self, rank: Rank, entry: PendingRecv, peer: Peer) -> None:
-        try:
-            agent = self._push_reg(rank, entry, peer)
-        except TransferError as exc:
-            self._fail(rank, entry.request_id, "push_reg_send_failed", str(exc))
-            return
-        except HandshakeError as exc:
-            self._fail(rank, entry.request_id, "handshake_failed", str(exc))
-            return
-        self._of(rank).mark_sent(entry.request_id, peer.daemon_id, agent)
-        self._timelines.mark(rank, RECV, entry.request_id, "push_reg_sent")
-        self._wake()
-
-    def _push_reg(self, rank: Rank, entry: PendingRecv, peer: Peer) -> str:
-        """Send ``entry``'s PUSH_REG to ``peer``'s agent of this rank; return that agent."""
-        target = peer.agent_for_rank(rank.number)
-        if target is None:
-            raise HandshakeError(f"peer {peer.engine_id} has no rank {rank.number}")
-        s = self._settings
-        # A landing rank's registration names its landing slots, which P WRITEs into.
-        blocks = self.landing.slot_ids(rank, entry.request_id) if self.landing.tracks(
-            rank, entry.request_id) else entry.block_ids
-        reg = notif.PushReg(
-            request_id=entry.request_id,
-            decode_engine_id=s.engine_id,
-            decode_host=s.advertised_host,
-            decode_port=self._peers.port,
-            decode_tp_size=rank.tp_size,
-            local_block_ids=blocks,
-            remote_engine_id=entry.remote.engine_id,
-            remote_host=entry.remote.host,
-            remote_port=entry.remote.port,
-            remote_tp_size=entry.remote.tp_size,
-            decode_rank=rank.number,
-            decode_daemon_id=s.daemon_id,
-            # An older P refuses a field it does not know: set it only where P's minor says.
-            match_key=entry.match_key if peer.minor >= pp.MATCH_KEY_MINOR else "",
-        )
-        rank.agent.send_notif(target.agent_name, notif.encode_push_reg(reg))
-        return target.agent_name
+        self._registrar.release(rank, PendingRecv(msg.request_id, [], remote, self._now(), None, 1, msg.match_key))
 
     def evict(self, ranks: list[Rank], rid: str) -> None:
         """The worker withdrew ``rid`` (from any of its ranks: a reconnected worker

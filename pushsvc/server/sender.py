@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from pushsvc.config import Config
-from pushsvc.engine.base import XferHandle, XferState
-from pushsvc.errors import HandshakeError, LayoutError, ProtocolError, TransferError
+from pushsvc.engine.base import XferState
+from pushsvc.errors import HandshakeError, LayoutError, ProtocolError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
@@ -34,9 +34,8 @@ from pushsvc.server.ranks import Rank
 from pushsvc.server.remotes import registration_error
 from pushsvc.server.tasks import TaskSet
 from pushsvc.server.timelines import Timelines
-from pushsvc.server.verify import digest_memory
-from pushsvc.state.landing import parts_for
-from pushsvc.state.layout import check_block_ids, plan_write, split_plan
+from pushsvc.server.writes import Write, plan_push, post_parts, release_all, release_settled
+from pushsvc.state.layout import check_block_ids
 from pushsvc.state.timeline import SEND
 from pushsvc.state.producer import (
     ExpiryKind,
@@ -65,21 +64,6 @@ class SendSettings:
     def of(cls, config: Config) -> SendSettings:
         return cls(config.engine_id, config.lease_s, config.registration_ttl_s, config.max_notif_bytes, config.verify,
                    config.handshake_timeout_s, config.write_part_mib << 20)
-
-
-@dataclass(slots=True, eq=False)
-class Write:
-    """A posted WRITE, in one or more parts. Its blocks stay leased until every part's
-    handle settled."""
-
-    match: Match
-    handles: list[XferHandle]  # the parts not settled yet
-    remote_agent: str
-    nbytes: int
-    posted_at: float  # loop time
-    started: float  # perf_counter() just before the post
-    cancelled: bool = False  # D withdrew the registration: acknowledge once settled
-    failed: str = ""  # why a part failed (to post, or in NIXL): the push fails once all settled
 
 
 @dataclass(eq=False)
@@ -310,81 +294,41 @@ class Sender:
         if target is None or memory is None:
             self._fail_push(rank, match, peer, "layout_mismatch", "D's agent or P's KV memory is gone")
             return
+        s = self._settings
         try:
-            if memory.dlist is None:
-                raise LayoutError("this rank's KV memory was registered to receive only")
-            remote = rank.remotes.layout(target, memory.layout)
-            plan = plan_write(memory.layout, remote, match.block_ids, reg.local_block_ids)
-            if not len(plan.src_indices):
-                raise LayoutError("D's registration names no block of P's layout")
-            # A landing D copies each part out as it lands; others get one WRITE.
-            parts = parts_for(plan.nbytes, self._settings.part_bytes, plan.region_count) if (
-                target.parts and peer.minor >= pp.PARTS_MINOR) else 1
-            digests = digest_memory(memory.descs, plan.src_indices, memory.view) if self._settings.verify else b""
+            push = plan_push(memory, rank.remotes.layout(target, memory.layout), match, target, peer.minor,
+                             s.part_bytes, s.verify)
         except LayoutError as exc:
             self._fail_push(rank, match, peer, "layout_mismatch", str(exc))
             return
         # Wall clock, not loop.time(): uvloop caches the loop's time per iteration, and a
         # WRITE over shared memory may complete inside this very call.
         started = time.perf_counter()
-        handles, states, failed = self._post(rank, memory.dlist, target.agent_name, plan, parts, reg.request_id)
+        assert memory.dlist is not None  # plan_push refuses a receive-only memory
+        handles, states, failed = post_parts(rank.agent, memory.dlist, rank.remotes.dlist(target.agent_name),
+                                             target.agent_name, push, reg.request_id, rank.tp_size)
         if not handles:
             self._fail_push(rank, match, peer, "write_submit_failed", failed)
             return
         now = self._now()
         self._metrics.match_wait_seconds.observe(now - match.staged.staged_at)
-        write = Write(match, handles, target.agent_name, plan.nbytes, now, started, failed=failed and
+        self._metrics.write_parts.inc(len(handles))
+        write = Write(match, handles, target.agent_name, push.plan.nbytes, now, started, failed=failed and
                       f"write_submit_failed: {failed}")
         self._of(rank).writes[match.request_id] = write
         self._timelines.mark(rank, SEND, match.request_id, "write_posted")
-        self._metrics.transfer_blocks.inc(plan.logical_blocks)
-        log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=plan.nbytes,
-                  descriptors=len(plan.src_indices), parts=len(handles))
-        if XferState.PROC in states or digests:
+        self._metrics.transfer_blocks.inc(push.plan.logical_blocks)
+        log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=push.plan.nbytes,
+                  descriptors=len(push.plan.src_indices), parts=len(handles))
+        if XferState.PROC in states or push.digests:
             self._peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank,
-                                                   nbytes=plan.nbytes, digests=digests))
+                                                   nbytes=push.plan.nbytes, digests=push.digests))
         self._settle_parts(rank, write, states)
         self._wake()
 
-    def _post(self, rank: Rank, local, remote_agent: str, plan, parts: int, rid: str) -> tuple[
-            list[XferHandle], list[XferState], str]:
-        """Post the WRITE's parts, each with its notification; stop at the first that
-        fails to post (those posted land and settle as usual). Returns the handles, their
-        first states and why posting stopped ("" if it did not)."""
-        handles: list[XferHandle] = []
-        states: list[XferState] = []
-        tp = rank.tp_size
-        remote = rank.remotes.dlist(remote_agent)
-        for i, piece in enumerate(split_plan(plan, parts)):
-            note = notif.encode_part(rid, tp, i, parts) if parts > 1 else notif.encode_completion(rid, tp)
-            try:
-                if not len(piece.src_indices):  # D registered no block of these regions' group
-                    rank.agent.send_notif(remote_agent, note)
-                    continue
-                handle, xstate = rank.agent.write(local, piece.src_indices, remote, piece.dst_indices, note)
-            except TransferError as exc:
-                return handles, states, str(exc)
-            handles.append(handle)
-            states.append(xstate)
-            self._metrics.write_parts.inc()
-        return handles, states, ""
-
     def _settle_parts(self, rank: Rank, write: Write, states: list[XferState]) -> None:
-        """Release the parts of ``write`` that ``states`` says settled; once none is left,
-        settle the WRITE."""
-        pending = []
-        for handle, xstate in zip(write.handles, states):
-            if xstate is XferState.PROC:
-                pending.append(handle)
-                continue
-            if xstate is not XferState.DONE and not write.failed:
-                write.failed = "write_failed: NIXL reported the WRITE failed"
-            try:
-                rank.agent.release(handle)
-            except TransferError as exc:
-                log.warning("write_release_failed", request_id=write.match.request_id, error=str(exc))
-        write.handles = pending
-        if not pending:
+        """Release the parts of ``write`` that settled; once none is left, settle it."""
+        if release_settled(rank.agent, write, states):
             self._settle(rank, write)
 
     def _released(self, rank: Rank, rid: str, reason: str) -> None:
@@ -558,11 +502,7 @@ class Sender:
         shutdown, after the drain, can any be left)."""
         state = self._ranks.pop(rank, None)
         for write in state.writes.values() if state else ():
-            for handle in write.handles:
-                try:
-                    rank.agent.release(handle)
-                except TransferError:
-                    pass
+            release_all(rank.agent, write)
 
     def _malformed(self, reason: str, sender: str, exc: Exception) -> None:
         self._metrics.malformed.labels("notification", reason).inc()

@@ -1,0 +1,107 @@
+"""P's WRITEs: planning one push, posting it in parts, releasing the parts as they
+settle. The NIXL calls of the Sender's WRITE path, kept apart from its matching and
+reporting (``sender.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+
+from pushsvc.engine.base import Agent, DListHandle, XferHandle, XferState
+from pushsvc.errors import LayoutError, TransferError
+from pushsvc.protocol import notif
+from pushsvc.protocol import peer as pp
+from pushsvc.server.ranks import RankMemory
+from pushsvc.server.verify import digest_memory
+from pushsvc.state.landing import parts_for
+from pushsvc.state.layout import Layout, WritePlan, plan_write, split_plan
+from pushsvc.state.producer import Match
+
+log = structlog.get_logger("pushsvc.sender")
+
+
+@dataclass(slots=True, eq=False)
+class Write:
+    """A posted WRITE, in one or more parts. Its blocks stay leased until every part's
+    handle settled."""
+
+    match: Match
+    handles: list[XferHandle]  # the parts not settled yet
+    remote_agent: str
+    nbytes: int
+    posted_at: float  # loop time
+    started: float  # perf_counter() just before the post
+    cancelled: bool = False  # D withdrew the registration: acknowledge once settled
+    failed: str = ""  # why a part failed (to post, or in NIXL): the push fails once all settled
+
+
+@dataclass(frozen=True, slots=True)
+class PushPlan:
+    plan: WritePlan
+    parts: int
+    digests: bytes  # verify mode: P's digests of the source blocks, else b""
+
+
+def plan_push(memory: RankMemory, remote: Layout, match: Match, target: pp.AgentInfo, peer_minor: int,
+              part_bytes: int, verify: bool) -> PushPlan:
+    """What ``match`` WRITEs from ``memory`` into ``target``; LayoutError if it cannot."""
+    if memory.dlist is None:
+        raise LayoutError("this rank's KV memory was registered to receive only")
+    plan = plan_write(memory.layout, remote, match.block_ids, match.registration.reg.local_block_ids)
+    if not len(plan.src_indices):
+        raise LayoutError("D's registration names no block of P's layout")
+    # A landing D copies each part out as it lands; others get one WRITE.
+    parts = parts_for(plan.nbytes, part_bytes, plan.region_count) if (
+        target.parts and peer_minor >= pp.PARTS_MINOR) else 1
+    digests = digest_memory(memory.descs, plan.src_indices, memory.view) if verify else b""
+    return PushPlan(plan, parts, digests)
+
+
+def post_parts(agent: Agent, local: DListHandle, remote: DListHandle, remote_agent: str, push: PushPlan,
+               rid: str, tp_size: int) -> tuple[list[XferHandle], list[XferState], str]:
+    """Post the WRITE's parts, each with its notification; stop at the first that fails
+    to post (those posted land and settle as usual). Returns the handles, their first
+    states and why posting stopped ("" if it did not)."""
+    handles: list[XferHandle] = []
+    states: list[XferState] = []
+    parts = push.parts
+    for i, piece in enumerate(split_plan(push.plan, parts)):
+        note = notif.encode_part(rid, tp_size, i, parts) if parts > 1 else notif.encode_completion(rid, tp_size)
+        try:
+            if not len(piece.src_indices):  # D registered no block of these regions' group
+                agent.send_notif(remote_agent, note)
+                continue
+            handle, xstate = agent.write(local, piece.src_indices, remote, piece.dst_indices, note)
+        except TransferError as exc:
+            return handles, states, str(exc)
+        handles.append(handle)
+        states.append(xstate)
+    return handles, states, ""
+
+
+def release_settled(agent: Agent, write: Write, states: list[XferState]) -> bool:
+    """Release the parts of ``write`` that ``states`` says settled (noting a failure);
+    True once no part is left."""
+    pending = []
+    for handle, xstate in zip(write.handles, states):
+        if xstate is XferState.PROC:
+            pending.append(handle)
+            continue
+        if xstate is not XferState.DONE and not write.failed:
+            write.failed = "write_failed: NIXL reported the WRITE failed"
+        try:
+            agent.release(handle)
+        except TransferError as exc:
+            log.warning("write_release_failed", request_id=write.match.request_id, error=str(exc))
+    write.handles = pending
+    return not pending
+
+
+def release_all(agent: Agent, write: Write) -> None:
+    """Shutdown, after the drain: give back whatever handles are left."""
+    for handle in write.handles:
+        try:
+            agent.release(handle)
+        except TransferError:
+            pass
