@@ -23,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from datetime import datetime
 
 import psutil
 
@@ -124,6 +126,35 @@ class Pair:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
+def _timelines(d: Daemon, limit: int) -> list[dict]:
+    url = f"http://127.0.0.1:{d.info['health_port']}/v1/requests?limit={limit}"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.load(r)["timelines"]
+
+
+def path_medians(pair: Pair, n: int) -> dict[str, float]:
+    """Where the last ``n`` pushes spent their time, from both daemons' request
+    timelines (one host, one monotonic clock; docs/architecture.md): the median of each
+    step along P's send_ready -> matched -> write_posted -> D's completion -> recv_done,
+    and P's write_posted -> write_settled -> send_done, in microseconds."""
+    def moments(line: dict) -> dict[str, float]:
+        start = datetime.fromisoformat(line["start"]).timestamp()
+        return {k: start + v / 1e3 for k, v in line["events_ms"].items()}
+
+    p = {t["peer_request_id"]: moments(t) for t in _timelines(pair.P, n) if t.get("peer_request_id")}
+    d = {t["request_id"]: moments(t) for t in _timelines(pair.D, n)}
+    steps = [("p", "send_ready", "p", "matched"), ("p", "matched", "p", "write_posted"),
+             ("p", "write_posted", "d", "completion"), ("d", "completion", "d", "recv_done"),
+             ("p", "write_posted", "p", "write_settled"), ("p", "write_settled", "p", "send_done")]
+    out = {}
+    for a_side, a, b_side, b in steps:
+        gaps = [((d if b_side == "d" else p)[rid][b] - (d if a_side == "d" else p)[rid][a]) * 1e6
+                for rid in p.keys() & d.keys()]
+        if gaps:
+            out[f"{a_side}.{a} -> {b_side}.{b}"] = statistics.median(gaps)
+    return out
+
+
 def run(sizes: list[int], block_len: int, repeats: int, control: bool = True, idle_window: float = 10.0) -> dict:
     """Push each size ``repeats`` times (after one warm-up) through a fresh daemon pair.
     With ``control``, also the control-path figures and (``idle_window`` > 0) idle CPU."""
@@ -152,6 +183,7 @@ def run(sizes: list[int], block_len: int, repeats: int, control: bool = True, id
                             "both_us": statistics.median(t[0] for t in one) * 1e6,
                             "send_done_us": statistics.median(t[1] for t in one) * 1e6,
                             "recv_done_us": statistics.median(t[2] for t in one) * 1e6}
+        res["one_block_path_us"] = path_medians(pair, 50)
         n = 200000
         t0 = time.perf_counter()
         for _ in range(n):
@@ -196,6 +228,9 @@ def main() -> int:
     print(f"one {block_len >> 10} KiB block: daemon {o['both_us']:.0f} us (P SendDone {o['send_done_us']:.0f}, "
           f"D RecvDone {o['recv_done_us']:.0f}), in-process {one['notified_s'] * 1e6:.0f} us: "
           f"control overhead {o['both_us'] - one['notified_s'] * 1e6:.0f} us per request")
+    print("  where it goes (median of the daemons' request timelines, us):")
+    for step, us in res["one_block_path_us"].items():
+        print(f"    {step:42s} {us:8.0f}")
     if "idle_cpu_percent" in res:
         print(f"idle daemon CPU ({args.idle_window:.0f} s, one worker registered): P {res['idle_cpu_percent'][0]:.2f}% "
               f"D {res['idle_cpu_percent'][1]:.2f}% of a core")
