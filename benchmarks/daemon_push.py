@@ -208,12 +208,16 @@ def main() -> int:
     ap.add_argument("--block-len", default="64K")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--idle-window", type=float, default=10.0)
+    ap.add_argument("--ucx-error-handling-mode", default="peer", choices=["peer", "none"],
+                    help="for the daemons (ucx_error_handling_mode) and the in-process baseline alike")
     ap.add_argument("--json")
     args = ap.parse_args()
+    os.environ["PUSHSVC_UCX_ERROR_HANDLING_MODE"] = args.ucx_error_handling_mode  # the daemons read it
     sizes = [_size(s) for s in args.sizes.split(",")]
     block_len = _size(args.block_len)
-    base = {r["size"]: r for r in nixl_pair.run(sizes, block_len, args.repeats)}
-    one = nixl_pair.run([block_len], block_len, 50)[0]
+    mode = args.ucx_error_handling_mode
+    base = {r["size"]: r for r in nixl_pair.run(sizes, block_len, args.repeats, mode)}
+    one = nixl_pair.run([block_len], block_len, 50, mode)[0]
     res = run(sizes, block_len, args.repeats, idle_window=args.idle_window)
     print(f"{'size':>10} {'blocks':>7} {'in-process ms':>14} {'GB/s':>7} {'daemon ms':>10} {'GB/s':>7} {'ratio':>6}")
     for r in res["push"]:

@@ -28,8 +28,8 @@ def _layout(buf: SharedBuffer, block_len: int, blocks: int) -> Layout:
     return Layout((RegionSpec(buf.address, block_len, blocks, block_len),))
 
 
-def _target(conn, total: int, block_len: int) -> None:
-    agent = NixlEngine(["UCX"]).create_agent("bench-target")
+def _target(conn, total: int, block_len: int, ucx_mode: str) -> None:
+    agent = NixlEngine(["UCX"], ucx_error_handling_mode=ucx_mode).create_agent("bench-target")
     buf = SharedBuffer.create(total)
     agent.register([(buf.address, buf.size)], "DRAM")
     layout = _layout(buf, block_len, total // block_len)
@@ -54,13 +54,13 @@ def _target(conn, total: int, block_len: int) -> None:
         conn.send(seen_at)
 
 
-def run(sizes: list[int], block_len: int, repeats: int) -> list[dict]:
+def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer") -> list[dict]:
     total = max(sizes)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(child, total, block_len))
+    proc = ctx.Process(target=_target, args=(child, total, block_len, ucx_mode))
     proc.start()
-    agent = NixlEngine(["UCX"]).create_agent("bench-initiator")
+    agent = NixlEngine(["UCX"], ucx_error_handling_mode=ucx_mode).create_agent("bench-initiator")
     buf = SharedBuffer.create(total)
     agent.register([(buf.address, buf.size)], "DRAM")
     meta, remote_descs = parent.recv()

@@ -51,6 +51,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="D's landing buffer per GPU rank, MiB (0: WRITE into vLLM's KV directly)")
     p.add_argument("--write-part-mib", dest="write_part_mib", type=int,
                    help="P: WRITEs into a landing buffer go in parts of about this size, MiB (0: one WRITE)")
+    p.add_argument("--ucx-error-handling-mode", dest="ucx_error_handling_mode", choices=["peer", "none"],
+                   help="UCX error handling: peer (a dead peer fails the WRITE; on one host RMA over tcp/lo) "
+                        "or none (shared-memory transports)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--ready-file", help="write /v1/info JSON here once the daemon is ready")
 
@@ -88,7 +91,7 @@ _PROXY_FIELDS = ("prefill", "prefill_daemon", "decode", "port", "host", "timeout
 _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_port", "side_channel_host",
               "side_channel_port", "advertised_host", "side_channel_secret_file", "insecure_side_channel",
               "allowed_peer_hosts", "lease_s", "watchdog_s", "log_format", "log_level", "verify", "gpu", "landing_mib",
-              "write_part_mib")
+              "write_part_mib", "ucx_error_handling_mode")
 
 
 def build_parser() -> argparse.ArgumentParser:

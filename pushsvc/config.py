@@ -77,6 +77,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # NIXL.
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_progress_thread: bool = False
+    # UCX's error handling: "peer" reports a dead peer to a WRITE (on one host it limits
+    # RMA to tcp/lo); "none" allows shared memory (docs/architecture.md, "UCX transports").
+    ucx_error_handling_mode: str = "peer"
     # Leases, watchdogs and liveness.
     lease_s: float = 120.0
     watchdog_s: float = 120.0
@@ -164,6 +167,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for name in ("landing_mib", "write_part_mib"):
             if not 0 <= getattr(self, name) <= 1 << 20:
                 raise ConfigError(name, f"must be in 0..{1 << 20} MiB, got {getattr(self, name)}")
+        if self.ucx_error_handling_mode not in ("peer", "none"):
+            raise ConfigError("ucx_error_handling_mode", f'must be "peer" or "none", got {self.ucx_error_handling_mode!r}')
         if not 0 <= self.timelines_kept <= 100_000:
             raise ConfigError("timelines_kept", f"must be in 0..100000, got {self.timelines_kept}")
         if not self.nixl_backends or not all(self.nixl_backends):
@@ -189,6 +194,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("allowed_peer_hosts", str(exc)) from None
         if not is_loopback_host(self.side_channel_host):
             self._validate_exposed_side_channel()
+            if self.ucx_error_handling_mode == "none":
+                # Without it UCX does not notice a peer host that vanished: a WRITE to it may
+                # never settle, and P's blocks would stay leased for good.
+                raise ConfigError("ucx_error_handling_mode", '"none" is for daemons that share one host '
+                                  f'(side_channel_host {self.side_channel_host!r} is not loopback): use "peer"')
 
     def _validate_exposed_side_channel(self) -> None:
         # Off loopback, other machines (and whoever else is on their network) can reach the

@@ -71,11 +71,18 @@ class NixlAgent:
 
     __slots__ = ("name", "_agent", "_reg", "_dlists", "_xfers", "_remotes")
 
-    def __init__(self, name: str, backends: list[str], progress_thread: bool) -> None:
+    def __init__(self, name: str, backends: list[str], progress_thread: bool,
+                 backend_params: dict[str, dict[str, str]] | None = None) -> None:
         nixl_agent, nixl_agent_config = _import_nixl()
-        conf = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+        params = backend_params or {}
+        # Backends with parameters of ours are created after the agent, with them.
+        conf = nixl_agent_config(enable_prog_thread=progress_thread,
+                                 backends=[b for b in backends if b not in params])
         try:
             self._agent = nixl_agent(name, conf)
+            for backend in backends:
+                if backend in params:
+                    self._agent.create_backend(backend, dict(params[backend]))
         except Exception as exc:
             raise TransferError(f"cannot create NIXL agent {name}: {exc}") from exc
         if not self._agent.backends:
@@ -217,12 +224,18 @@ class NixlAgent:
 class NixlEngine:
     name = "nixl"
 
-    def __init__(self, backends: list[str], progress_thread: bool = False) -> None:
+    def __init__(self, backends: list[str], progress_thread: bool = False,
+                 ucx_error_handling_mode: str = "peer") -> None:
         self.backends = list(backends)
         self.progress_thread = progress_thread
+        # UCX's "peer" mode (NIXL's default) reports a dead peer (NIXL_ERR_REMOTE_DISCONNECT)
+        # but keeps only transports that can: on one host, RMA over tcp/lo. "none" brings
+        # back the shared-memory transports (docs/architecture.md, "UCX transports").
+        self.backend_params = ({} if ucx_error_handling_mode == "peer" else
+                               {"UCX": {"ucx_error_handling_mode": ucx_error_handling_mode}})
         # Import NIXL (seconds on a loaded host) now, before the daemon reports ready,
         # not inside the first worker's hello while the event loop waits.
         _import_nixl()
 
     def create_agent(self, name: str) -> NixlAgent:
-        return NixlAgent(name, self.backends, self.progress_thread)
+        return NixlAgent(name, self.backends, self.progress_thread, self.backend_params)

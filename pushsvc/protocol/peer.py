@@ -13,7 +13,7 @@ withdraws a registration and learns when its blocks are safe to reuse) and
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 
@@ -23,8 +23,9 @@ from pushsvc.protocol.worker import U32, U64, Name, Text
 MAGIC = b"PSVP"
 MAJOR = 1
 # 1.1: AuthChallenge, AuthProof (sent only with a secret); 1.2: PushReg.match_key;
-# 1.3: AgentInfo.device and AgentInfo.parts (WRITEs in parts, ``PUSH_PART`` notifications)
-MINOR = 3
+# 1.3: AgentInfo.device and AgentInfo.parts (WRITEs in parts, ``PUSH_PART`` notifications);
+# 1.4: PeerHello.ucx_error_handling_mode
+MINOR = 4
 AUTH_MINOR = 1
 MATCH_KEY_MINOR = 2  # a D daemon sets PushReg.match_key only for a P at this minor or later
 PARTS_MINOR = 3  # a P daemon splits WRITEs only for a D at this minor or later that asks for it
@@ -86,6 +87,10 @@ class PeerHello(msgspec.Struct, tag="hello", **_opts):
     side_channel_port: Annotated[int, msgspec.Meta(ge=0, le=65535)]
     agents: Annotated[list[AgentInfo], msgspec.Meta(max_length=1024)]
     heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 1.0
+    # 1.4: the sender's UCX error handling ("peer" before 1.4). UCX endpoints of the two
+    # modes do not complete WRITEs between them, so daemons of different modes refuse
+    # each other. At its default it is not encoded: a "peer" daemon's hello is 1.3's.
+    ucx_error_handling_mode: Literal["peer", "none"] = "peer"
 
 
 class AgentsUpdate(msgspec.Struct, tag="agents", **_opts):

@@ -43,7 +43,7 @@ class Daemon:
         if engine is None:
             from pushsvc.engine.nixl import NixlEngine
 
-            engine = NixlEngine(config.nixl_backends, config.nixl_progress_thread)
+            engine = NixlEngine(config.nixl_backends, config.nixl_progress_thread, config.ucx_error_handling_mode)
             # The real engine comes with the real device memory; tests pass their fakes.
             devmem = load_device_memory(config.gpu)
         self.engine = engine

@@ -122,6 +122,7 @@ class PeerSettings:
     handshake_timeout_s: float
     heartbeat_interval_s: float
     peer_timeout_s: float
+    ucx_error_handling_mode: str = "peer"  # sent in the hello; a peer of another mode is refused
 
 
 class PeerManager:
@@ -311,12 +312,18 @@ class PeerManager:
             side_channel_port=self._port,
             agents=self._local_agents(),
             heartbeat_interval_s=self._settings.heartbeat_interval_s,
+            ucx_error_handling_mode=self._settings.ucx_error_handling_mode,  # type: ignore[arg-type]
         )
 
     # ------------------------------------------------------------------ incarnations
 
     def _adopt(self, session: Session, intro: PeerIntro) -> Peer:
         hello = intro.hello
+        mine = self._settings.ucx_error_handling_mode
+        if hello.ucx_error_handling_mode != mine:
+            raise HandshakeError(f"peer {hello.engine_id} runs ucx_error_handling_mode={hello.ucx_error_handling_mode}"
+                                 f", this daemon {mine}: WRITEs between the two never complete; give every daemon "
+                                 "of the deployment the same mode")
         old = self._by_engine.get(hello.engine_id)
         if old is not None and old.daemon_id != hello.daemon_id:
             if not intro.authenticated and old.alive:

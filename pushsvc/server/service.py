@@ -65,7 +65,7 @@ class PushService:
             events=self,
             metrics=metrics,
             settings=PeerSettings(config.max_peer_frame, config.handshake_timeout_s, config.heartbeat_interval_s,
-                                  config.peer_timeout_s),
+                                  config.peer_timeout_s, config.ucx_error_handling_mode),
             # Read once, here at start; the file was checked when the config was loaded.
             secret=read_secret_file(config.side_channel_secret_file) if config.side_channel_secret_file else None,
             # D dials the P a client's kv_transfer_params name, P the D that registered:

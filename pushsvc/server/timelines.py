@@ -5,6 +5,7 @@ the ``request_timeline`` log event and the recent ones for ``GET /v1/requests``
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -31,6 +32,7 @@ class Timelines:
         self._clock = clock
         self._wall_offset = wall() - clock()  # monotonic -> wall clock, for display only
         self._book = TimelineBook(keep, max_open)
+        self._phases: dict[tuple[str, str], Any] = {}  # (side, phase) -> its histogram child
 
     def open(self, rank: Rank, side: str, rid: str, event: str) -> None:
         self._book.open((rank, side, rid), Timeline(rid, side, rank.number)).mark(event, self._clock())
@@ -54,9 +56,16 @@ class Timelines:
         if timeline is None:
             return
         for phase, seconds in timeline.steps():
-            self._metrics.phase_seconds.labels(side, phase).observe(seconds)
-        self._metrics.phase_seconds.labels(side, "total").observe(timeline.total)
-        log.info("request_timeline", **self.describe(timeline))
+            self._phase(side, phase).observe(seconds)
+        self._phase(side, "total").observe(timeline.total)
+        if log.is_enabled_for(logging.INFO):  # building the event costs more than the rest
+            log.info("request_timeline", **self.describe(timeline))
+
+    def _phase(self, side: str, phase: str) -> Any:
+        child = self._phases.get((side, phase))
+        if child is None:
+            child = self._phases[(side, phase)] = self._metrics.phase_seconds.labels(side, phase)
+        return child
 
     def forget(self, rank: Rank) -> None:
         self._book.drop(rank)

@@ -208,13 +208,16 @@ def _figure(name: str, **values) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["running", "stopped_then_killed"])
-def test_kill_d_daemon_mid_stream(spawn, base_dir, how):
+@pytest.mark.parametrize("how, ucx_mode", [("running", "peer"), ("stopped_then_killed", "peer"), ("running", "none")])
+def test_kill_d_daemon_mid_stream(spawn, base_dir, how, ucx_mode):
     """kill -9 D's daemon during a stream of 120 pushes of 4 MiB each. ``stopped_then_killed``
     first stops D, then lets P WRITE three registrations it held: those WRITEs cannot
-    finish, so the kill certainly meets WRITEs in flight."""
-    P = spawn.daemon("prefill", "--log-level", "debug", "--lease-s", "4")
-    D = spawn.daemon("decode")
+    finish, so the kill certainly meets WRITEs in flight. With ``ucx_error_handling_mode =
+    "none"`` a WRITE on one host goes through cma (the kernel copies into D's memory, a
+    stopped D too), so only the running case applies there."""
+    mode = ("--ucx-error-handling-mode", ucx_mode)
+    P = spawn.daemon("prefill", "--log-level", "debug", "--lease-s", "4", *mode)
+    D = spawn.daemon("decode", *mode)
     pw, dw = _workers(spawn, P, D)
     assert [e["type"] for e in _push(P, pw, dw, "warm", [0], [0])] == ["RecvDone", "SendDone"]
 
@@ -255,7 +258,7 @@ def test_kill_d_daemon_mid_stream(spawn, base_dir, how):
     # P forgets D: tables, leases, WRITE handles and D's agent (its prepped list too).
     _wait_until(lambda: _p_clean(P, remote_agents=0), 30, "P back to zero")
     assert not P.live_info()["peers"]
-    _figure(f"kill_d_daemon[{how}]", pushes=len(ids), done=types.count("SendDone"),
+    _figure(f"kill_d_daemon[{how}, {ucx_mode}]", pushes=len(ids), done=types.count("SendDone"),
             failed=types.count("SendFailed"), writes_in_flight_at_kill=len(in_flight_at_kill),
             kill_to_last_settle_s=round(last_settle - t_kill, 4),
             kill_to_zero_xfers_polled_s=round(zero_s, 3),
@@ -263,7 +266,7 @@ def test_kill_d_daemon_mid_stream(spawn, base_dir, how):
                                   if collected["events"][r][0]["type"] == "SendFailed"}))
 
     # D comes back (new port, fresh worker): pushes work, bytes exact.
-    D2 = _restart(spawn, D)
+    D2 = _restart(spawn, D, *mode)
     dw2 = spawn.worker(D2, "consumer", layers=LAYERS, blocks=D_BLOCKS, block_len=BLOCK_LEN, seed=3)
     for i, (p_blk, d_blk) in enumerate([(5, 9), (6, 10), (7, 11)]):
         events = _push(P, pw, dw2, f"again{i}", [p_blk], [d_blk])
