@@ -50,6 +50,7 @@ class RemoteAgents:
         self._max = max_descriptors
         self._dlists: dict[str, DListHandle] = {}  # remote agent -> prepared list
         self._verdicts: dict[str, str] = {}  # remote agent -> "" (fits) or why not
+        self._layouts: dict[str, Layout] = {}  # remote agent -> its layout, once it fits
 
     def load(self, info: AgentInfo) -> None:
         """Load ``info`` unless it is loaded already; a failure is kept as its verdict."""
@@ -67,6 +68,7 @@ class RemoteAgents:
             self._dlists[name] = self._agent.prep_remote(name, descriptor_table(layout_of_agent(info), info.device),
                                                          info.mem_type)
             self._verdicts.pop(name, None)
+            self._layouts.pop(name, None)
         except (TransferError, LayoutError, MemoryError) as exc:
             if loaded and loaded not in self._dlists:
                 try:  # loaded, but unusable: do not keep NIXL's copy either
@@ -77,9 +79,12 @@ class RemoteAgents:
             log.warning("remote_agent_load_failed", local=self._agent.name, agent=name, error=str(exc))
 
     def layout(self, info: AgentInfo, local: Layout) -> Layout:
-        """The remote's layout, checked against ``local`` once per remote agent."""
+        """The remote's layout, checked against ``local`` once per remote agent (and
+        kept: a WRITE plans against the same object every time)."""
         name = info.agent_name
         verdict = self._verdicts.get(name)
+        if verdict == "" and name in self._layouts:
+            return self._layouts[name]
         remote = layout_of_agent(info)
         if verdict is None:
             try:
@@ -92,6 +97,7 @@ class RemoteAgents:
             self._verdicts[name] = verdict
         if verdict:
             raise LayoutError(verdict)
+        self._layouts[name] = remote
         return remote
 
     def dlist(self, name: str) -> DListHandle:
@@ -103,6 +109,7 @@ class RemoteAgents:
     def unload(self, name: str) -> None:
         handle = self._dlists.pop(name, None)
         self._verdicts.pop(name, None)
+        self._layouts.pop(name, None)
         if handle is None:
             return
         try:

@@ -9,6 +9,7 @@ ids are logical; each logical block is ``blocks_per_logical`` physical kernel bl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -31,9 +32,26 @@ class RegionSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class _Columns:
+    offsets: np.ndarray  # int64: the descriptor index of each region's block 0
+    block_lens: np.ndarray  # int64
+    by_group: dict[int, np.ndarray]  # group -> its region indices, groups in order of first region
+
+
+@dataclass(frozen=True)
 class Layout:
     regions: tuple[RegionSpec, ...]
     blocks_per_logical: int = 1
+
+    @cached_property
+    def _columns(self) -> _Columns:
+        """The regions as arrays, built once per layout (planning a WRITE reads them)."""
+        counts = np.fromiter((r.num_blocks for r in self.regions), dtype=np.int64, count=len(self.regions))
+        groups = np.fromiter((r.group for r in self.regions), dtype=np.int64, count=len(self.regions))
+        lens = np.fromiter((r.block_len for r in self.regions), dtype=np.int64, count=len(self.regions))
+        offsets = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
+        order = list(dict.fromkeys(int(g) for g in groups))  # groups in order of first region
+        return _Columns(offsets, lens, {g: np.flatnonzero(groups == g) for g in order})
 
     @property
     def groups(self) -> int:
@@ -113,14 +131,20 @@ def _expand(ids: list[int], per_logical: int) -> np.ndarray:
 def dest_indices(dst: Layout, dst_blocks: list[list[int]]) -> np.ndarray:
     """D's descriptor indices for ``dst_blocks``, in the order ``plan_write`` pairs them
     (regions in order, blocks in order): what D's daemon checks a WRITE against."""
-    parts = []
-    offset = 0
-    for reg in dst.regions:
-        ids = dst_blocks[reg.group] if reg.group < len(dst_blocks) else []
+    cols = dst._columns
+    pieces = []
+    for g, regs in cols.by_group.items():
+        ids = dst_blocks[g] if g < len(dst_blocks) else []
         if ids:
-            parts.append(_expand(ids, dst.blocks_per_logical) + offset)
-        offset += reg.num_blocks
-    return np.concatenate(parts).astype(np.int32) if parts else np.empty(0, dtype=np.int32)
+            phys = _expand(ids, dst.blocks_per_logical)
+            pieces.append((np.repeat(regs, len(phys)), (cols.offsets[regs][:, None] + phys).reshape(-1)))
+    if not pieces:
+        return np.empty(0, dtype=np.int32)
+    regions, idx = (np.concatenate(p) for p in zip(*pieces))
+    if len(pieces) > 1:
+        idx = idx[np.argsort(regions, kind="stable")]
+    return idx.astype(np.int32)
+
 
 
 def plan_write(
@@ -134,40 +158,42 @@ def plan_write(
     """
     check_block_ids(src, src_blocks, "local blocks")
     check_block_ids(dst, dst_blocks, "remote blocks")
-    src_idx: list[np.ndarray] = []
-    dst_idx: list[np.ndarray] = []
-    regions: list[np.ndarray] = []
-    lengths: list[np.ndarray] = []
+    s_cols, d_cols = src._columns, dst._columns
+    paired = min(len(src.regions), len(dst.regions))  # regions pair by position
+    # Every region of a group moves the same blocks: expand them once per group and place
+    # them in all of its regions at once (one array operation per group, not per region).
+    pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (regions, src, dst) per group
     nbytes = 0
-    logical = 0
-    src_off = dst_off = 0
-    for index, (s_reg, d_reg) in enumerate(zip(src.regions, dst.regions)):
-        g = s_reg.group
+    for g, regs in s_cols.by_group.items():
+        regs = regs[regs < paired]
+        if not len(regs):
+            continue
         s_ids = src_blocks[g] if g < len(src_blocks) else []
         d_ids = dst_blocks[g] if g < len(dst_blocks) else []
         if len(d_ids) > len(s_ids):
             raise LayoutError(f"group {g}: remote asks for {len(d_ids)} blocks, only {len(s_ids)} exist")
-        if d_ids:
-            s_tail = s_ids[len(s_ids) - len(d_ids) :]
-            s_phys = _expand(s_tail, src.blocks_per_logical)
-            d_phys = _expand(d_ids, dst.blocks_per_logical)
-            src_idx.append(s_phys + src_off)
-            dst_idx.append(d_phys + dst_off)
-            regions.append(np.full(len(d_phys), index, dtype=np.int32))
-            lengths.append(np.full(len(d_phys), s_reg.block_len, dtype=np.int64))
-            nbytes += s_reg.block_len * len(s_phys)
-        src_off += s_reg.num_blocks
-        dst_off += d_reg.num_blocks
-    for g in range(max(len(src_blocks), len(dst_blocks))):
-        logical += len(dst_blocks[g]) if g < len(dst_blocks) else 0
+        if not d_ids:
+            continue
+        s_phys = _expand(s_ids[len(s_ids) - len(d_ids):], src.blocks_per_logical)
+        d_phys = _expand(d_ids, dst.blocks_per_logical)
+        pieces.append((np.repeat(regs, len(d_phys)), (s_cols.offsets[regs][:, None] + s_phys).reshape(-1),
+                       (d_cols.offsets[regs][:, None] + d_phys).reshape(-1)))
+        nbytes += int(s_cols.block_lens[regs].sum()) * len(s_phys)
+    logical = sum(len(dst_blocks[g]) for g in range(len(dst_blocks)))
     empty = np.empty(0, dtype=np.int32)
+    if not pieces:
+        return WritePlan(empty, empty, 0, logical, empty, np.empty(0, dtype=np.int64), len(dst.regions))
+    regions, src_idx, dst_idx = (np.concatenate(p) for p in zip(*pieces))
+    if len(pieces) > 1:  # groups interleave across regions: back to region order, blocks in order
+        order = np.argsort(regions, kind="stable")
+        regions, src_idx, dst_idx = regions[order], src_idx[order], dst_idx[order]
     return WritePlan(
-        src_indices=np.concatenate(src_idx).astype(np.int32) if src_idx else empty,
-        dst_indices=np.concatenate(dst_idx).astype(np.int32) if dst_idx else empty,
+        src_indices=src_idx.astype(np.int32),
+        dst_indices=dst_idx.astype(np.int32),
         nbytes=nbytes,
         logical_blocks=logical,
-        regions=np.concatenate(regions) if regions else empty,
-        lengths=np.concatenate(lengths) if lengths else np.empty(0, dtype=np.int64),
+        regions=regions.astype(np.int32),
+        lengths=s_cols.block_lens[regions],
         region_count=len(dst.regions),
     )
 

@@ -21,7 +21,7 @@ from pushsvc.server.handshake import PRE_AUTH_MAX_FRAME
 from pushsvc.server.peers import Peer
 from pushsvc.server.remotes import RemoteAgents
 from pushsvc.server.session import Session
-from pushsvc.state.layout import Layout
+from pushsvc.state.layout import Layout, RegionSpec
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -136,6 +136,21 @@ def test_a_remote_agent_whose_metadata_names_another_agent_is_not_kept() -> None
                         regions=AGENT.regions)
     remotes.load(liar)
     assert remotes.names() == [] and local.remotes == set()
+
+
+def test_a_remote_layout_is_built_once_while_the_agent_stays_loaded() -> None:
+    engine = FakeEngine()
+    local = engine.create_agent("local")
+    remotes = RemoteAgents(local, max_descriptors=1 << 16)
+    peer = engine.create_agent("x/r0")
+    info = pp.AgentInfo(rank=0, tp_size=1, agent_name="x/r0", metadata=peer.metadata(), regions=AGENT.regions)
+    remotes.load(info)
+    mine = Layout((RegionSpec(0, 4096, 16, 4096),))
+    first = remotes.layout(info, mine)
+    assert remotes.layout(info, mine) is first  # the planning caches on it stay warm
+    remotes.unload("x/r0")
+    remotes.load(info)
+    assert remotes.layout(info, mine) is not first  # a reloaded agent is checked and built again
 
 
 @pytest.mark.asyncio
