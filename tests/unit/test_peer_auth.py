@@ -111,7 +111,8 @@ def test_auth_messages_reject_invalid(raw: dict[str, Any]) -> None:
 
 
 def test_minor_bumped_for_auth_messages() -> None:
-    assert (pp.MAJOR, pp.MINOR) == (1, 3) and pp.AUTH_MINOR == 1 and pp.MATCH_KEY_MINOR == 2 and pp.PARTS_MINOR == 3
+    # 1.4: PeerHello.ucx_error_handling_mode (sent only when not "peer": no minor gate needed)
+    assert (pp.MAJOR, pp.MINOR) == (1, 4) and pp.AUTH_MINOR == 1 and pp.MATCH_KEY_MINOR == 2 and pp.PARTS_MINOR == 3
 
 
 # ---------------------------------------------------------------- the secret file
