@@ -64,11 +64,15 @@ class Daemon:
         self.proc.wait(20)
 
 
-def _worker(d: Daemon, role: str, total: int, block_len: int):
+def _worker(d: Daemon, role: str, total: int, block_len: int, regions: int = 1):
+    """A worker client whose KV is ``regions`` regions (a model's layers' K and V): a
+    block id spans all of them, ``block_len // regions`` bytes in each."""
     c = DaemonClient(d.info["socket_path"], engine_id=d.name, rank=0, tp_size=1, role=role)
     c.connect()
     buf = SharedBuffer.create(total)
-    c.register_kv([buf.fd], [wp.Region(buffer=0, offset=0, block_len=block_len, num_blocks=total // block_len)])
+    blocks, part = total // block_len, block_len // regions
+    c.register_kv([buf.fd], [wp.Region(buffer=0, offset=r * blocks * part, block_len=part, num_blocks=blocks)
+                             for r in range(regions)])
     return c, buf
 
 
@@ -90,14 +94,14 @@ def _wait(clients, rid: str) -> list[float]:
 class Pair:
     """A P and a D daemon, each with one registered worker client over ``total`` bytes."""
 
-    def __init__(self, total: int, block_len: int) -> None:
+    def __init__(self, total: int, block_len: int, regions: int = 1) -> None:
         self.base = tempfile.mkdtemp(prefix="psbench-")
         self.P = self.D = None
         try:
             self.P = Daemon(self.base, "prefill")
             self.D = Daemon(self.base, "decode")
-            self.pc, self.pbuf = _worker(self.P, "producer", total, block_len)
-            self.dc, self.dbuf = _worker(self.D, "consumer", total, block_len)
+            self.pc, self.pbuf = _worker(self.P, "producer", total, block_len, regions)
+            self.dc, self.dbuf = _worker(self.D, "consumer", total, block_len, regions)
         except BaseException:
             self.close()
             raise
@@ -155,10 +159,11 @@ def path_medians(pair: Pair, n: int) -> dict[str, float]:
     return out
 
 
-def run(sizes: list[int], block_len: int, repeats: int, control: bool = True, idle_window: float = 10.0) -> dict:
+def run(sizes: list[int], block_len: int, repeats: int, control: bool = True, idle_window: float = 10.0,
+        regions: int = 1) -> dict:
     """Push each size ``repeats`` times (after one warm-up) through a fresh daemon pair.
     With ``control``, also the control-path figures and (``idle_window`` > 0) idle CPU."""
-    pair = Pair(max(sizes), block_len)
+    pair = Pair(max(sizes), block_len, regions)
     try:
         rows = []
         for size in sizes:
@@ -210,15 +215,17 @@ def main() -> int:
     ap.add_argument("--idle-window", type=float, default=10.0)
     ap.add_argument("--ucx-error-handling-mode", default="peer", choices=["peer", "none"],
                     help="for the daemons (ucx_error_handling_mode) and the in-process baseline alike")
+    ap.add_argument("--regions", type=int, default=1,
+                    help="regions per block (a model's layers' K and V; vLLM-shaped: 2 x layers)")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PUSHSVC_UCX_ERROR_HANDLING_MODE"] = args.ucx_error_handling_mode  # the daemons read it
     sizes = [_size(s) for s in args.sizes.split(",")]
     block_len = _size(args.block_len)
     mode = args.ucx_error_handling_mode
-    base = {r["size"]: r for r in nixl_pair.run(sizes, block_len, args.repeats, mode)}
-    one = nixl_pair.run([block_len], block_len, 50, mode)[0]
-    res = run(sizes, block_len, args.repeats, idle_window=args.idle_window)
+    base = {r["size"]: r for r in nixl_pair.run(sizes, block_len, args.repeats, mode, args.regions)}
+    one = nixl_pair.run([block_len], block_len, 50, mode, args.regions)[0]
+    res = run(sizes, block_len, args.repeats, idle_window=args.idle_window, regions=args.regions)
     print(f"{'size':>10} {'blocks':>7} {'in-process ms':>14} {'GB/s':>7} {'daemon ms':>10} {'GB/s':>7} {'ratio':>6}")
     for r in res["push"]:
         b = base[r["size"]]

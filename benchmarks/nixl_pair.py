@@ -21,18 +21,21 @@ import numpy as np
 from pushsvc.engine.base import XferState
 from pushsvc.engine.nixl import NixlEngine
 from pushsvc.shm import SharedBuffer
-from pushsvc.state.layout import Layout, RegionSpec, descriptor_table
+from pushsvc.state.layout import Layout, RegionSpec, descriptor_table, plan_write
 
 
-def _layout(buf: SharedBuffer, block_len: int, blocks: int) -> Layout:
-    return Layout((RegionSpec(buf.address, block_len, blocks, block_len),))
+def _layout(buf: SharedBuffer, block_len: int, blocks: int, regions: int = 1) -> Layout:
+    """``regions`` regions (a model's layers' K and V) of ``blocks`` blocks each; a block
+    id spans all of them, ``block_len // regions`` bytes in each."""
+    part = block_len // regions
+    return Layout(tuple(RegionSpec(buf.address + r * blocks * part, part, blocks, part) for r in range(regions)))
 
 
-def _target(conn, total: int, block_len: int, ucx_mode: str) -> None:
+def _target(conn, total: int, block_len: int, ucx_mode: str, regions: int) -> None:
     agent = NixlEngine(["UCX"], ucx_error_handling_mode=ucx_mode).create_agent("bench-target")
     buf = SharedBuffer.create(total)
     agent.register([(buf.address, buf.size)], "DRAM")
-    layout = _layout(buf, block_len, total // block_len)
+    layout = _layout(buf, block_len, total // block_len, regions)
     conn.send((agent.metadata(), descriptor_table(layout)))
     peer_meta = conn.recv()
     agent.add_remote(peer_meta)
@@ -54,11 +57,11 @@ def _target(conn, total: int, block_len: int, ucx_mode: str) -> None:
         conn.send(seen_at)
 
 
-def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer") -> list[dict]:
+def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer", regions: int = 1) -> list[dict]:
     total = max(sizes)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(child, total, block_len, ucx_mode))
+    proc = ctx.Process(target=_target, args=(child, total, block_len, ucx_mode, regions))
     proc.start()
     agent = NixlEngine(["UCX"], ucx_error_handling_mode=ucx_mode).create_agent("bench-initiator")
     buf = SharedBuffer.create(total)
@@ -66,12 +69,13 @@ def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer") 
     meta, remote_descs = parent.recv()
     parent.send(agent.metadata())
     name = agent.add_remote(meta)
-    local = agent.prep_local(descriptor_table(_layout(buf, block_len, total // block_len)), "DRAM")
+    layout = _layout(buf, block_len, total // block_len, regions)
+    local = agent.prep_local(descriptor_table(layout), "DRAM")
     remote = agent.prep_remote(name, remote_descs, "DRAM")
     out = []
     for size in sizes:
         n = size // block_len
-        idx = np.arange(n, dtype=np.int32)
+        idx = plan_write(layout, layout, [list(range(n))], [list(range(n))]).src_indices
         times, notif_times = [], []
         for rep in range(repeats + 1):
             tag = f"bench-{size}-{rep}"
