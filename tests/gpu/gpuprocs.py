@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,34 +10,19 @@ from typing import Any
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent / "integration"))
+
+from procs import LineChild  # noqa: E402
 
 
-class GpuWorker:
+class GpuWorker(LineChild):
     """A ``kvproc.py`` process: CUDA KV caches plus the connector's worker role."""
 
     def __init__(self, daemon: Any, role: str, **opts) -> None:  # a procs.DaemonProc
-        args = [sys.executable, str(HERE / "kvproc.py"), "--socket", daemon.socket, "--role", role]
-        for k, v in opts.items():
-            args += [f"--{k.replace('_', '-')}", str(v)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "connector"),
                                                              os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                     env=env)
-        self.hello = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"GPU worker exited with {self.proc.wait()}")
-        return json.loads(line)
-
-    def call(self, op: str, **kw) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._read()
-        if not reply.get("ok"):
-            raise RuntimeError(reply.get("error"))
-        return reply
+        super().__init__([sys.executable, str(HERE / "kvproc.py"), "--socket", daemon.socket, "--role", role],
+                         opts, env=env, what="GPU worker")
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -99,20 +99,23 @@ def start_daemon(base: Path, engine_id: str, *extra: str, timeout: float = 60.0)
     return d
 
 
-class WorkerProc:
-    def __init__(self, daemon: DaemonProc, role: str, **opts) -> None:
-        args = [sys.executable, str(HERE / "kvworker.py"), "--socket", daemon.socket,
-                "--engine-id", daemon.engine_id, "--role", role]
+class LineChild:
+    """A helper process driven by JSON lines: one command per line on its stdin, one
+    reply per line on its stdout (its first line is its hello)."""
+
+    def __init__(self, args: list[str], opts: dict, env: dict[str, str] | None = None, what: str = "worker") -> None:
         for k, v in opts.items():
-            args += [f"--{k.replace('_', '-')}", str(v)]
+            args = [*args, f"--{k.replace('_', '-')}", str(v)]
         self.opts = opts
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._what = what
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                     env=env)
         self.hello = self._read()
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"worker exited with {self.proc.wait()}")
+            raise RuntimeError(f"{self._what} exited with {self.proc.wait()}")
         return json.loads(line)
 
     def call(self, op: str, **kw) -> dict:
@@ -122,6 +125,12 @@ class WorkerProc:
         if not reply.get("ok"):
             raise RuntimeError(reply.get("error"))
         return reply
+
+
+class WorkerProc(LineChild):
+    def __init__(self, daemon: DaemonProc, role: str, **opts) -> None:
+        super().__init__([sys.executable, str(HERE / "kvworker.py"), "--socket", daemon.socket,
+                          "--engine-id", daemon.engine_id, "--role", role], opts)
 
     def wait(self, request_id: str, timeout: float = 20.0) -> dict | None:
         return self.call("wait", request_id=request_id, timeout=timeout)["event"]
