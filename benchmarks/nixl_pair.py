@@ -57,8 +57,11 @@ def _target(conn, total: int, block_len: int, ucx_mode: str, regions: int) -> No
         conn.send(seen_at)
 
 
-def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer", regions: int = 1) -> list[dict]:
-    total = max(sizes)
+def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer", regions: int = 1,
+        total: int = 0) -> list[dict]:
+    """``total``: the buffer size (default the largest size). With several regions it sets
+    how far apart a block's pieces lie: adjacent pieces NIXL merges into one descriptor."""
+    total = max(total, *sizes)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_target, args=(child, total, block_len, ucx_mode, regions))
