@@ -203,8 +203,10 @@ class DaemonClient:
         held: list[wp.DaemonMessage] = []
         try:
             while True:
-                for event in self.poll():
+                events = self.poll()
+                for i, event in enumerate(events):
                     if isinstance(event, kind):
+                        held.extend(events[i + 1:])  # what came in the same read, after the reply
                         return event
                     if isinstance(event, wp.Error) and not event.request_id:
                         raise DaemonRefused(f"daemon refused: {event.code}: {event.message}")
