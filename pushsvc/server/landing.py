@@ -104,7 +104,7 @@ class Landing:
         if outcome is AllocOutcome.TOO_LARGE:
             geometry = state.memory.geometry
             need = max(counts) * geometry.slot_bytes
-            return outcome, (f"landing_too_small: {max(counts)} blocks need {need >> 20} MiB of landing space, "
+            return outcome, (f"{max(counts)} blocks need {need >> 20} MiB of landing space, "
                              f"the rank's landing buffer holds {geometry.slots} blocks "
                              f"({geometry.nbytes >> 20} MiB; raise landing_mib)")
         if outcome is AllocOutcome.DUPLICATE:

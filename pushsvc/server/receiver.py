@@ -2,9 +2,10 @@
 
 One ``ConsumerTable`` per ``Rank``. A registration's PUSH_REG goes out through the
 ``Registrar`` (``registrar.py``): at once where P's daemon is known, else after a
-handshake in a task of its own, so no other request waits behind it. The blocks of a registration P may be writing into are reported (``RecvFailed``)
-only once no WRITE can land in them: P confirmed, the WRITE's completion came, P is
-known dead, or P has been lost for the grace (``state/consumer.py``).
+handshake in a task of its own, so no other request waits behind it. The blocks of a
+registration P may be writing into are reported (``RecvFailed``) only once no WRITE can
+land in them: P confirmed, the WRITE's completion came, P is known dead, or P has been
+lost for the grace (``state/consumer.py``).
 
 An empty registration only releases P's blocks (D's request ended before it was ever
 scheduled): its PUSH_REG goes out and nothing is tracked, nobody waits for an answer.
@@ -339,7 +340,7 @@ class Receiver:
         log.warning("recv_failed", request_id=rid, rank=rank.number, peer=entry.remote.engine_id, kind=kind,
                     error=reason)
         self._tell_final(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids,
-                                             reason=reason if kind == "landing_too_small" else f"{kind}: {reason}"))
+                                             reason=f"{kind}: {reason}"))
 
     def _final(self, rank: Rank, exp: RecvExpiry) -> None:
         entry = exp.entry
