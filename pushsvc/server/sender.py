@@ -313,8 +313,8 @@ class Sender:
         now = self._now()
         self._metrics.match_wait_seconds.observe(now - match.staged.staged_at)
         self._metrics.write_parts.inc(len(handles))
-        write = Write(match, handles, target.agent_name, push.plan.nbytes, now, started, failed=failed and
-                      f"write_submit_failed: {failed}")
+        write = Write(match, handles, target.agent_name, push.plan.nbytes, now, started,
+                      failed=("write_submit_failed", failed) if failed else None)
         self._of(rank).writes[match.request_id] = write
         self._timelines.mark(rank, SEND, match.request_id, "write_posted")
         self._metrics.transfer_blocks.inc(push.plan.logical_blocks)
@@ -352,16 +352,16 @@ class Sender:
         del state.writes[rid]
         seconds = time.perf_counter() - write.started
         self._timelines.mark(rank, SEND, rid, "write_settled")
-        log.debug("write_settled", request_id=rid, state="ERR" if write.failed else "DONE", error=write.failed or None,
-                  seconds=round(seconds, 6))
-        if not write.failed:
+        log.debug("write_settled", request_id=rid, state="ERR" if write.failed else "DONE",
+                  error=write.failed and ": ".join(write.failed), seconds=round(seconds, 6))
+        if write.failed is None:
             state.table.finish(rid, self._now())
             self._metrics.transfers.labels("done").inc()
             self._metrics.transfer_bytes.inc(write.nbytes)
             self._metrics.transfer_seconds.observe(seconds)
             self._outbox.tell(rank, wp.SendDone(request_id=rid))
         else:
-            kind, _, reason = write.failed.partition(": ")
+            kind, reason = write.failed
             self._fail_push(rank, write.match, self._peers.find_agent(write.remote_agent), kind, reason,
                             notify_remote=not write.cancelled)
         if write.cancelled:

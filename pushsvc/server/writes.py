@@ -33,7 +33,9 @@ class Write:
     posted_at: float  # loop time
     started: float  # perf_counter() just before the post
     cancelled: bool = False  # D withdrew the registration: acknowledge once settled
-    failed: str = ""  # why a part failed (to post, or in NIXL): the push fails once all settled
+    # Why a part failed (to post, or in NIXL), as (failure kind, reason): the push fails
+    # with it once every part settled.
+    failed: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +90,8 @@ def release_settled(agent: Agent, write: Write, states: list[XferState]) -> bool
         if xstate is XferState.PROC:
             pending.append(handle)
             continue
-        if xstate is not XferState.DONE and not write.failed:
-            write.failed = "write_failed: NIXL reported the WRITE failed"
+        if xstate is not XferState.DONE and write.failed is None:
+            write.failed = ("write_failed", "NIXL reported the WRITE failed")
         try:
             agent.release(handle)
         except TransferError as exc:
