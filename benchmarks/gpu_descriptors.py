@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from pushsvc.engine.base import XferState  # noqa: E402
+from nixl_pair import timed_write  # noqa: E402  (benchmarks/, next to this script)
 from pushsvc.engine.nixl import NixlEngine  # noqa: E402
 
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
@@ -153,11 +153,7 @@ def main() -> None:
             tag = f"{pattern}-{rep}"
             parent.send(("notif", tag))
             parent.recv()
-            t0 = time.perf_counter()
-            handle, state = agent.write(local, idx, remote, idx, tag.encode())
-            while state is XferState.PROC:
-                state = agent.state(handle)
-            agent.release(handle)
+            t0, _ = timed_write(agent, local, idx, remote, idx, tag)
             seen = parent.recv()
             if rep:
                 times.append(max(seen, time.perf_counter()) - t0)

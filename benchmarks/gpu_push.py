@@ -114,7 +114,7 @@ def _anchor_target(conn, total_blocks: int) -> None:
 
 
 def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int) -> dict:
-    from pushsvc.engine.base import XferState
+    from nixl_pair import timed_write  # benchmarks/
     from pushsvc.engine.nixl import NixlEngine
     from pushsvc.state.layout import descriptor_table, plan_write
 
@@ -140,11 +140,7 @@ def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeat
                 tag = f"{pattern}-{n}-{rep}"
                 parent.send(tag)
                 parent.recv()
-                t0 = time.perf_counter()
-                handle, state = agent.write(local, plan.src_indices, remote, plan.dst_indices, tag.encode())
-                while state is XferState.PROC:
-                    state = agent.state(handle)
-                agent.release(handle)
+                t0, _ = timed_write(agent, local, plan.src_indices, remote, plan.dst_indices, tag)
                 seen = parent.recv()
                 if rep:
                     times.append(max(seen, time.perf_counter()) - t0)

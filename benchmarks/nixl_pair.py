@@ -57,6 +57,18 @@ def _target(conn, total: int, block_len: int, ucx_mode: str, regions: int) -> No
         conn.send(seen_at)
 
 
+def timed_write(agent, local, src_idx, remote, dst_idx, tag: str) -> tuple[float, float]:
+    """Post one WRITE with notification ``tag``, spin until it settles, release it:
+    ``time.perf_counter()`` just before the post and once it was no longer in progress."""
+    t0 = time.perf_counter()
+    handle, state = agent.write(local, src_idx, remote, dst_idx, tag.encode())
+    while state is XferState.PROC:
+        state = agent.state(handle)
+    t1 = time.perf_counter()
+    agent.release(handle)
+    return t0, t1
+
+
 def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer", regions: int = 1,
         total: int = 0) -> list[dict]:
     """``total``: the buffer size (default the largest size). With several regions it sets
@@ -84,12 +96,7 @@ def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer", 
             tag = f"bench-{size}-{rep}"
             parent.send(tag)
             parent.recv()  # "armed": the target is polling for this notification
-            t0 = time.perf_counter()
-            handle, state = agent.write(local, idx, remote, idx, tag.encode())
-            while state is XferState.PROC:
-                state = agent.state(handle)
-            t1 = time.perf_counter()
-            agent.release(handle)
+            t0, t1 = timed_write(agent, local, idx, remote, idx, tag)
             seen_at = parent.recv()
             if rep:  # the first is a warm-up (connection set-up)
                 times.append(t1 - t0)
