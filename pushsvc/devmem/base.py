@@ -1,19 +1,19 @@
 """The device-memory interface the daemon is written against (docs/gpu.md).
 
-One ``DeviceMemory`` per daemon; one ``Device`` per GPU it touches, found by UUID. Every
-method runs on the event loop and returns at once, except ``read_rows`` (verify mode's
-bounded host copies) and ``synchronize`` (shutdown). A copy's completion is a ``CopyJob``
-the progress loop polls. Failures raise ``DeviceError``.
+One ``DeviceMemory`` per daemon; one ``Device`` per GPU it touches, found by UUID; one
+``LandingCopier`` per rank with a landing buffer. Every method runs on the event loop and
+returns at once, except ``Device.read`` (verify mode's host copies) and ``synchronize``
+(shutdown). A copy's completion is a ``CopyJob`` the progress loop polls. Failures raise
+``DeviceError``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from pushsvc.state.landing import CopyRows
+from pushsvc.state.landing import CopyPlan
 
 
 class DeviceBuffer(Protocol):
@@ -33,8 +33,20 @@ class CopyJob(Protocol):
         """Block until it finished (shutdown only)."""
 
 
-RowSpace = object  # a view of device memory as rows of ``unit`` bytes, made by ``Device.row_space``
-DeviceRows = object  # a ``CopyRows`` template resident on the device
+class LandingCopier(Protocol):
+    """The copies of one rank's landing buffer into its worker's KV, as ``plan`` says."""
+
+    plan: CopyPlan
+    nbytes: int  # device memory it holds (its copy table and slot map)
+
+    def gather(self, group: int, first: int, count: int, slots: np.ndarray, blocks: np.ndarray) -> CopyJob:
+        """Copy physical landing ``slots`` (one ascending run) of entries ``first ..
+        first + count`` of the plan (one group's) into the worker's physical ``blocks``,
+        pairwise, on the device's copy stream. Returns at once; ``DeviceError`` for pairs
+        ``check_pairs`` refuses."""
+
+    def close(self) -> None:
+        """Give its memory back (no copy of it may be in flight)."""
 
 
 class Device(Protocol):
@@ -47,18 +59,10 @@ class Device(Protocol):
     def allocate(self, nbytes: int) -> DeviceBuffer:
         """Allocate plain device memory owned by this process (a WRITE destination)."""
 
-    def row_space(self, origin: int, nbytes: int, unit: int) -> RowSpace:
-        """``nbytes`` from ``origin`` as rows of ``unit`` bytes (no copy, no ownership)."""
+    def landing_copier(self, plan: CopyPlan) -> LandingCopier: ...
 
-    def upload_rows(self, rows: CopyRows) -> DeviceRows: ...
-
-    def gather(self, dst: RowSpace, rows: DeviceRows, blocks: np.ndarray, src: RowSpace, slots: np.ndarray) -> CopyJob:
-        """Copy the rows of physical landing ``slots`` of ``src`` to the rows of the
-        worker's physical ``blocks`` (pairwise) of ``dst``, as ``landing.copy_rows`` maps
-        them, on this device's copy stream. Returns at once."""
-
-    def read_rows(self, space: RowSpace, rows: np.ndarray) -> np.ndarray:
-        """The bytes of ``rows`` of ``space`` on the host, in order (blocks until copied)."""
+    def read(self, address: int, nbytes: int) -> bytes:
+        """``nbytes`` of device memory from ``address``, on the host (blocks until copied)."""
 
     def synchronize(self) -> None: ...
 
@@ -73,13 +77,3 @@ class DeviceMemory(Protocol):
         """Bytes held now: ``imported`` (workers' memory mapped) and ``allocated`` (owned)."""
 
     def close(self) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RowView:
-    """A range of device memory seen as rows: byte ``origin + i * unit`` starts row ``i``."""
-
-    device: Device
-    space: RowSpace
-    origin: int
-    unit: int

@@ -1,36 +1,26 @@
-"""The real device memory: CUDA driver calls (``driver.py``) for imports and owned
-allocations, torch for the gather kernel, its stream and its events.
+"""The real device memory, through CUDA driver calls only (``driver.py``): imports and
+owned allocations, and the landing copy (``kernel.py``'s kernel on a stream of our own,
+its completion an event the progress loop polls). No torch, no Triton: a daemon starts
+without importing either (docs/gpu.md).
 
-torch is imported when a ``CudaMemory`` is made (the daemon does that at start when the
-GPU path is on), never by a CPU-only daemon. Every call runs on the event loop thread;
-each device's primary context is made current before driver calls, and kernels go to one
-copy stream per device, so a copy never waits behind the engine's work or ours.
-
-The gather works on row views of raw device memory (``__cuda_array_interface__`` objects
-that own nothing): landing rows and worker rows are computed on the device from the
-slots, the blocks and the part's ``CopyRows``, then one kernel copies each row across
-(``rowcopy.py``: a Triton kernel where Triton is installed, else torch's ``index_select``
-and ``index_copy_``, which pass the bytes twice).
+Every call runs on the event loop thread; each device's primary context is made current
+before driver calls, and kernels go to one copy stream per device (non-blocking: a copy
+never waits behind the engine's work or ours).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import ctypes
 
 import numpy as np
+import structlog
 
+from pushsvc.devmem import kernel
 from pushsvc.devmem.driver import Driver, format_uuid
-from pushsvc.devmem.rowcopy import row_copier
 from pushsvc.errors import DeviceError
-from pushsvc.state.landing import CopyRows
+from pushsvc.state.landing import COPY_FIELDS, CopyPlan, check_pairs
 
-
-class _Raw:
-    """Device memory as an array interface, for ``torch.as_tensor`` (no copy, no owner)."""
-
-    def __init__(self, address: int, shape: tuple[int, ...], typestr: str) -> None:
-        self.__cuda_array_interface__ = {"data": (address, False), "shape": shape, "typestr": typestr,
-                                         "strides": None, "version": 2}
+log = structlog.get_logger("pushsvc.devmem")
 
 
 class _Mapping:
@@ -49,113 +39,206 @@ class _Mapping:
 
 
 class _Copy:
-    __slots__ = ("event", "_done")
+    """One launch; its event is destroyed once seen done."""
 
-    def __init__(self, event: Any) -> None:
-        self.event = event
-        self._done = False
+    __slots__ = ("_driver", "_event")
+
+    def __init__(self, driver: Driver, event: int) -> None:
+        self._driver, self._event = driver, event
 
     def done(self) -> bool:
-        if not self._done:
-            self._done = bool(self.event.query())
-        return self._done
+        if self._event and self._driver.event_done(self._event):
+            self._release()
+        return not self._event
 
     def wait(self) -> None:
-        self.event.synchronize()
-        self._done = True
+        if self._event:
+            self._driver.event_synchronize(self._event)
+            self._release()
+
+    def _release(self) -> None:
+        event, self._event = self._event, 0
+        self._driver.event_destroy(event)
+
+
+class _Nothing:
+    """A copy with nothing to move."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+class _Copier:
+    """A rank's copy table and slot -> block map on the device; the map's host mirror in
+    page-locked memory, so its uploads are asynchronous. A slot's map entry is rewritten
+    only when the slot is granted again, which is after every copy out of it finished."""
+
+    def __init__(self, device: CudaDevice, plan: CopyPlan) -> None:
+        self.plan = plan
+        self._device = device
+        self._fn = device.functions[plan.width]
+        self._entries = plan.groups * plan.slots
+        table = np.ascontiguousarray(plan.table, dtype=np.int64)
+        assert table.shape[1] == COPY_FIELDS
+        self._map_offset = table.nbytes
+        self.nbytes = table.nbytes + self._entries * 8
+        self._memory = device.allocate(max(self.nbytes, 8))
+        driver = device.driver
+        try:
+            self._host = driver.host_alloc(max(self._entries * 8, 8))
+        except DeviceError:
+            self._memory.close()
+            raise
+        self._mirror = np.frombuffer((ctypes.c_int64 * max(self._entries, 1)).from_address(self._host), dtype=np.int64)
+        try:
+            driver.upload(self._memory.address, table.ctypes.data, table.nbytes)
+        except DeviceError:
+            self.close()
+            raise
+
+    def gather(self, group: int, first: int, count: int, slots: np.ndarray, blocks: np.ndarray) -> _Copy | _Nothing:
+        slots = np.asarray(slots, dtype=np.int64)
+        blocks = np.asarray(blocks, dtype=np.int64)
+        why = check_pairs(self.plan, first, count, slots, blocks)
+        if why:
+            raise DeviceError(f"landing copy refused: {why}")
+        if not len(slots) or not count:
+            return _Nothing()
+        device, driver = self._device, self._device.driver
+        device.current()
+        stream = device.stream
+        at = group * self.plan.slots + int(slots[0])
+        self._mirror[at:at + len(blocks)] = blocks
+        group_map = self._memory.address + self._map_offset + group * self.plan.slots * 8
+        driver.upload_async(group_map + int(slots[0]) * 8, self._host + at * 8, len(blocks) * 8, stream)
+        chunks = -(-self.plan.max_bytes(first, count) // kernel.CHUNK)
+        params = (ctypes.c_uint64(self._memory.address), ctypes.c_uint64(group_map), ctypes.c_uint64(int(slots[0])),
+                  ctypes.c_uint32(first), ctypes.c_uint64(kernel.CHUNK))
+        args = (ctypes.c_void_p * len(params))(*(ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in params))
+        driver.launch(self._fn, (len(blocks), count, chunks), kernel.THREADS, stream, args)
+        event = driver.event()
+        try:
+            driver.event_record(event, stream)
+        except DeviceError:
+            driver.event_destroy(event)
+            raise
+        return _Copy(driver, event)
+
+    def close(self) -> None:
+        if self._host:
+            host, self._host = self._host, 0
+            self._mirror = np.empty(0, dtype=np.int64)
+            self._device.current()
+            self._device.driver.host_free(host)
+        self._memory.close()
 
 
 class CudaDevice:
-    def __init__(self, torch: Any, driver: Driver, ordinal: int, uuid: bytes) -> None:
-        self._torch = torch
-        self._driver = driver
+    def __init__(self, driver: Driver, ordinal: int, uuid: bytes) -> None:
+        self.driver = driver
         self.ordinal = ordinal
         self.uuid = uuid
-        self.torch_device = torch.device("cuda", ordinal)
-        with torch.cuda.device(ordinal):
-            torch.zeros(1, device=self.torch_device)  # create the primary context now
-            self.stream = torch.cuda.Stream(device=self.torch_device)
-            # Compiled (and checked) now, not inside the first copy.
-            self.copy_rows = row_copier(torch, self.torch_device)
-        self._ctx = driver.retain_context(ordinal)
         self.imported = 0  # bytes mapped from other processes
         self.allocated = 0  # bytes owned
+        self._ctx = driver.retain_context(ordinal)
+        self.stream = self._module = 0
+        try:
+            self.current()
+            self.stream = driver.stream()
+            self._module = driver.load_module(kernel.ptx())
+            self.functions = {w: driver.function(self._module, kernel.kernel_name(w)) for w in kernel.WIDTHS}
+            self._self_test()
+        except BaseException:
+            self.close()
+            raise
 
-    def _current(self) -> None:
-        self._driver.use(self._ctx)
+    def current(self) -> None:
+        self.driver.use(self._ctx)
 
     def import_ipc(self, handle: bytes) -> _Mapping:
-        self._current()
-        address, size = self._driver.ipc_open(handle)
+        self.current()
+        address, size = self.driver.ipc_open(handle)
         self.imported += size
 
         def close(addr: int) -> None:
-            self._current()
-            self._driver.ipc_close(addr)
+            self.current()
+            self.driver.ipc_close(addr)
             self.imported -= size
 
         return _Mapping(address, size, close)
 
     def allocate(self, nbytes: int) -> _Mapping:
-        self._current()
-        address = self._driver.alloc(nbytes)
+        self.current()
+        address = self.driver.alloc(nbytes)
         self.allocated += nbytes
         try:
-            self._driver.memset(address, 0, nbytes)
+            self.driver.memset(address, 0, nbytes)
         except DeviceError:
-            self._driver.free(address)
+            self.driver.free(address)
             self.allocated -= nbytes
             raise
 
         def close(addr: int) -> None:
-            self._current()
-            self._driver.free(addr)
+            self.current()
+            self.driver.free(addr)
             self.allocated -= nbytes
 
         return _Mapping(address, nbytes, close)
 
-    def row_space(self, origin: int, nbytes: int, unit: int) -> Any:
-        if unit % 8 == 0:
-            raw = _Raw(origin, (nbytes // unit, unit // 8), "<i8")
-        else:
-            raw = _Raw(origin, (nbytes // unit, unit), "|u1")
-        with self._torch.cuda.device(self.ordinal):
-            return self._torch.as_tensor(raw, device=self.torch_device)
+    def landing_copier(self, plan: CopyPlan) -> _Copier:
+        if len(plan.table) > 65535:
+            raise DeviceError(f"{len(plan.table)} KV regions: the landing copy takes at most 65535")
+        return _Copier(self, plan)
 
-    def upload_rows(self, rows: CopyRows) -> Any:
-        torch = self._torch
-        with torch.cuda.device(self.ordinal):
-            return tuple(torch.from_numpy(a).to(self.torch_device)
-                         for a in (rows.src_offsets, rows.src_strides, rows.dst_offsets, rows.dst_strides))
-
-    def gather(self, dst: Any, rows: Any, blocks: np.ndarray, src: Any, slots: np.ndarray) -> _Copy:
-        torch = self._torch
-        src_offsets, src_strides, dst_offsets, dst_strides = rows
-        with torch.cuda.device(self.ordinal), torch.cuda.stream(self.stream):
-            pairs = torch.from_numpy(np.stack([np.asarray(slots, dtype=np.int64), np.asarray(blocks, dtype=np.int64)]))
-            pairs = pairs.to(self.torch_device, non_blocking=True)
-            src_rows = (pairs[0, :, None] * src_strides[None, :] + src_offsets[None, :]).reshape(-1)
-            dst_rows = (pairs[1, :, None] * dst_strides[None, :] + dst_offsets[None, :]).reshape(-1)
-            self.copy_rows(src, src_rows, dst, dst_rows)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return _Copy(event)
-
-    def read_rows(self, space: Any, rows: np.ndarray) -> np.ndarray:
-        torch = self._torch
-        with torch.cuda.device(self.ordinal), torch.cuda.stream(self.stream):
-            index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(self.torch_device)
-            host = space.index_select(0, index).cpu()
-        return host.numpy().view(np.uint8).reshape(-1)
+    def read(self, address: int, nbytes: int) -> bytes:
+        self.current()
+        out = ctypes.create_string_buffer(nbytes)
+        self.driver.download(ctypes.addressof(out), address, nbytes)
+        return out.raw
 
     def synchronize(self) -> None:
-        self.stream.synchronize()
+        self.current()
+        self.driver.stream_synchronize(self.stream)
+
+    def _self_test(self) -> None:
+        """Each width of the kernel copies what ``copy_ranges`` says, or the device is not used."""
+        for width in kernel.WIDTHS:
+            length, slots, blocks = 8 * width, 4, 5
+            memory = self.allocate(4096)
+            try:
+                src, dst = memory.address + width, memory.address + 2048 + width
+                pattern = (np.arange(slots * length) % 251 + 1).astype(np.uint8)
+                self.driver.upload(src, pattern.ctypes.data, pattern.nbytes)
+                table = np.array([[src, length, slots, dst, length, blocks, length, 0]], dtype=np.int64)
+                plan = CopyPlan(table, np.zeros(1, np.int64), np.zeros(1, np.int64), 1, slots, width)
+                copier = _Copier(self, plan)
+                try:
+                    copier.gather(0, 0, 1, np.array([1, 2]), np.array([4, 0])).wait()
+                finally:
+                    copier.close()
+                got = np.frombuffer(self.read(dst, blocks * length), dtype=np.uint8).reshape(blocks, length)
+            finally:
+                memory.close()
+            want = np.zeros((blocks, length), dtype=np.uint8)
+            want[4], want[0] = pattern[length:2 * length], pattern[2 * length:3 * length]
+            if not np.array_equal(got, want):
+                raise DeviceError(f"the landing copy kernel ({width}-byte accesses) copied wrong bytes on this device")
+        log.info("copy_kernel_checked", device=self.ordinal, widths=list(kernel.WIDTHS))
 
     def close(self) -> None:
         try:
-            self.stream.synchronize()
+            self.current()
+            if self.stream:
+                self.driver.stream_synchronize(self.stream)
+                self.driver.stream_destroy(self.stream)
+            if self._module:
+                self.driver.unload_module(self._module)
         finally:
-            self._driver.release_context(self.ordinal)
+            self.stream = self._module = 0
+            self.driver.release_context(self.ordinal)
 
     def __repr__(self) -> str:
         return (f"<CudaDevice {self.ordinal} {format_uuid(self.uuid)} imported={self.imported} "
@@ -166,14 +249,9 @@ class CudaMemory:
     name = "cuda"
 
     def __init__(self) -> None:
-        try:
-            import torch
-        except ImportError as exc:
-            raise DeviceError(f"the GPU path needs torch with CUDA: {exc}") from None
-        if not torch.cuda.is_available():
-            raise DeviceError("torch sees no CUDA device (a CPU build of torch, or no GPU visible)")
-        self._torch = torch
         self._driver = Driver()
+        if not self._driver.device_count():
+            raise DeviceError("no CUDA device is visible")
         self._devices: dict[bytes, CudaDevice] = {}
         # A CUDA context must be current before the first NIXL agent is made: UCX enables
         # its CUDA transports only then, and took VRAM for host memory without one
@@ -185,7 +263,7 @@ class CudaMemory:
         dev = self._devices.get(uuid)
         if dev is None:
             ordinal = self._driver.find_device(uuid)
-            dev = self._devices[uuid] = CudaDevice(self._torch, self._driver, ordinal, uuid)
+            dev = self._devices[uuid] = CudaDevice(self._driver, ordinal, uuid)
         return dev
 
     def usage(self) -> dict[str, int]:

@@ -1,5 +1,6 @@
 """The few CUDA driver calls the GPU path needs, through ctypes (no build step, no
-dependency): export and import of IPC handles, owned allocations, pointer queries.
+dependency): export and import of IPC handles, owned allocations, pointer queries, and for
+the landing copy a stream, events, host copies and one kernel module (``kernel.py``).
 
 Used on both sides: the connector exports the worker's KV allocations
 (``export_allocation``) in the engine process, where torch made the device's primary
@@ -21,6 +22,9 @@ _ATTR_DEVICE_ORDINAL = 9
 _ATTR_IS_LEGACY_CUDA_IPC_CAPABLE = 10
 _ATTR_MEMORY_TYPE = 2
 _MEMORYTYPE_DEVICE = 2
+_STREAM_NON_BLOCKING = 1
+_EVENT_DISABLE_TIMING = 2
+_ERROR_NOT_READY = 600
 
 
 class _IpcHandle(ctypes.Structure):
@@ -76,6 +80,25 @@ class Driver:
             "cuMemFree_v2": [_PTR],
             "cuMemsetD8_v2": [_PTR, ctypes.c_ubyte, ctypes.c_size_t],
             "cuMemGetInfo_v2": [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
+            "cuMemHostAlloc": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint],
+            "cuMemFreeHost": [ctypes.c_void_p],
+            "cuMemcpyHtoD_v2": [_PTR, ctypes.c_void_p, ctypes.c_size_t],
+            "cuMemcpyDtoH_v2": [ctypes.c_void_p, _PTR, ctypes.c_size_t],
+            "cuMemcpyHtoDAsync_v2": [_PTR, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
+            "cuStreamCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
+            "cuStreamDestroy_v2": [ctypes.c_void_p],
+            "cuStreamSynchronize": [ctypes.c_void_p],
+            "cuEventCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
+            "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
+            "cuEventQuery": [ctypes.c_void_p],
+            "cuEventSynchronize": [ctypes.c_void_p],
+            "cuEventDestroy_v2": [ctypes.c_void_p],
+            "cuModuleLoadData": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p],
+            "cuModuleUnload": [ctypes.c_void_p],
+            "cuModuleGetFunction": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p],
+            "cuLaunchKernel": [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                               ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
+                               ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p],
         }
         for name, args in sig.items():
             fn = getattr(lib, name)
@@ -188,6 +211,77 @@ class Driver:
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:
         self._check(self._lib.cuMemsetD8_v2(ptr, value, nbytes), "cuMemsetD8")
+
+    def host_alloc(self, nbytes: int) -> int:
+        """Page-locked host memory (the source of asynchronous uploads)."""
+        ptr = ctypes.c_void_p()
+        self._check(self._lib.cuMemHostAlloc(ctypes.byref(ptr), nbytes, 0), f"cuMemHostAlloc of {nbytes} bytes")
+        return ptr.value or 0
+
+    def host_free(self, ptr: int) -> None:
+        self._check(self._lib.cuMemFreeHost(ptr), "cuMemFreeHost")
+
+    def upload(self, dst: int, src: int, nbytes: int) -> None:
+        self._check(self._lib.cuMemcpyHtoD_v2(dst, src, nbytes), "cuMemcpyHtoD")
+
+    def upload_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._check(self._lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+
+    def download(self, dst: int, src: int, nbytes: int) -> None:
+        self._check(self._lib.cuMemcpyDtoH_v2(dst, src, nbytes), "cuMemcpyDtoH")
+
+    # ------------------------------------------------------------------ streams, events, kernels
+
+    def stream(self) -> int:
+        s = ctypes.c_void_p()
+        self._check(self._lib.cuStreamCreate(ctypes.byref(s), _STREAM_NON_BLOCKING), "cuStreamCreate")
+        return s.value or 0
+
+    def stream_destroy(self, stream: int) -> None:
+        self._check(self._lib.cuStreamDestroy_v2(stream), "cuStreamDestroy")
+
+    def stream_synchronize(self, stream: int) -> None:
+        self._check(self._lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def event(self) -> int:
+        e = ctypes.c_void_p()
+        self._check(self._lib.cuEventCreate(ctypes.byref(e), _EVENT_DISABLE_TIMING), "cuEventCreate")
+        return e.value or 0
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._check(self._lib.cuEventRecord(event, stream), "cuEventRecord")
+
+    def event_done(self, event: int) -> bool:
+        """Whether the work before ``event`` finished (never blocks)."""
+        result = self._lib.cuEventQuery(event)
+        if result == _ERROR_NOT_READY:
+            return False
+        self._check(result, "cuEventQuery")
+        return True
+
+    def event_synchronize(self, event: int) -> None:
+        self._check(self._lib.cuEventSynchronize(event), "cuEventSynchronize")
+
+    def event_destroy(self, event: int) -> None:
+        self._check(self._lib.cuEventDestroy_v2(event), "cuEventDestroy")
+
+    def load_module(self, image: str) -> int:
+        module = ctypes.c_void_p()
+        self._check(self._lib.cuModuleLoadData(ctypes.byref(module), image.encode() + b"\0"), "cuModuleLoadData")
+        return module.value or 0
+
+    def unload_module(self, module: int) -> None:
+        self._check(self._lib.cuModuleUnload(module), "cuModuleUnload")
+
+    def function(self, module: int, name: str) -> int:
+        fn = ctypes.c_void_p()
+        self._check(self._lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), "cuModuleGetFunction")
+        return fn.value or 0
+
+    def launch(self, fn: int, grid: tuple[int, int, int], threads: int, stream: int,
+               args: ctypes.Array) -> None:
+        """Launch ``fn``; ``args`` holds a pointer to each parameter's value, in order."""
+        self._check(self._lib.cuLaunchKernel(fn, *grid, threads, 1, 1, 0, stream, args, None), "cuLaunchKernel")
 
 
 def format_uuid(uuid: bytes) -> str:

@@ -2,7 +2,8 @@
 
 A ``FakeDeviceMemory`` hands out devices by UUID; ``export`` gives a 64-byte "IPC handle"
 for a host buffer the test owns, and ``import_ipc`` maps it back (the same address: one
-process). Gathers copy real bytes when they are issued but report ``done`` only after
+process). Landing copies move real bytes (``copy_ranges``: what the kernel does) when they
+are issued but report ``done`` only after
 ``copy_polls`` queries, and not at all while ``hold_copies`` is set, so tests see final
 events held behind copies in flight.
 """
@@ -15,7 +16,7 @@ import hashlib
 import numpy as np
 
 from pushsvc.errors import DeviceError
-from pushsvc.state.landing import CopyRows, copy_rows
+from pushsvc.state.landing import CopyPlan, check_pairs, copy_ranges
 
 
 class _Buffer:
@@ -35,6 +36,10 @@ class _Copy:
         device.in_flight += 1
 
     def done(self) -> bool:
+        if self._left > 0 and self._device.memory.fault_copies:
+            self._left = 0
+            self._device.in_flight -= 1
+            raise DeviceError("cuEventQuery failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)")
         if self._left > 0 and not self._device.memory.hold_copies:
             self._left -= 1
             if self._left == 0:
@@ -47,8 +52,29 @@ class _Copy:
             pass
 
 
-def _rows(address: int, nbytes: int, unit: int) -> np.ndarray:
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)).reshape(-1, unit)
+class _Copier:
+    def __init__(self, device: FakeDevice, plan: CopyPlan) -> None:
+        self.plan = plan
+        self.nbytes = plan.table.nbytes + plan.groups * plan.slots * 8
+        self._device = device
+        device.allocated += self.nbytes
+        self._open = True
+
+    def gather(self, group: int, first: int, count: int, slots: np.ndarray, blocks: np.ndarray) -> _Copy:
+        assert self._open, "copy through a closed copier"
+        slots, blocks = np.asarray(slots, dtype=np.int64), np.asarray(blocks, dtype=np.int64)
+        why = check_pairs(self.plan, first, count, slots, blocks)
+        if why:
+            raise DeviceError(f"landing copy refused: {why}")
+        for src, dst, n in zip(*copy_ranges(self.plan, first, count, slots, blocks)):
+            ctypes.memmove(int(dst), int(src), int(n))
+        self._device.gathers += 1
+        return _Copy(self._device, self._device.memory.copy_polls)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._device.allocated -= self.nbytes
 
 
 class FakeDevice:
@@ -88,23 +114,11 @@ class FakeDevice:
 
         return _Buffer(address, nbytes, freed)
 
-    def row_space(self, origin: int, nbytes: int, unit: int) -> np.ndarray:
-        return _rows(origin, nbytes - nbytes % unit, unit)
+    def landing_copier(self, plan: CopyPlan) -> _Copier:
+        return _Copier(self, plan)
 
-    def upload_rows(self, rows: CopyRows) -> CopyRows:
-        return rows
-
-    def gather(self, dst: np.ndarray, rows: CopyRows, blocks: np.ndarray, src: np.ndarray, slots: np.ndarray) -> _Copy:
-        src_rows, dst_rows = copy_rows(rows, np.asarray(slots, dtype=np.int64), np.asarray(blocks, dtype=np.int64))
-        for index, space in ((src_rows, src), (dst_rows, dst)):
-            if len(index) and (index.min() < 0 or index.max() >= len(space)):
-                raise DeviceError("gather out of range")
-        dst[dst_rows] = src[src_rows]
-        self.gathers += 1
-        return _Copy(self, self.memory.copy_polls)
-
-    def read_rows(self, space: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        return space[np.asarray(rows, dtype=np.int64)].reshape(-1).copy()
+    def read(self, address: int, nbytes: int) -> bytes:
+        return ctypes.string_at(address, nbytes)
 
     def synchronize(self) -> None:
         pass
@@ -116,6 +130,7 @@ class FakeDeviceMemory:
     def __init__(self, copy_polls: int = 1) -> None:
         self.copy_polls = copy_polls
         self.hold_copies = False
+        self.fault_copies = False  # the next completion query of each copy reports a device fault
         self.fail_allocations = False
         self.exported: dict[bytes, tuple[int, int]] = {}
         self._devices: dict[bytes, FakeDevice] = {}

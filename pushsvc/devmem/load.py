@@ -7,16 +7,15 @@ import os
 import structlog
 
 from pushsvc.devmem.base import DeviceMemory
-from pushsvc.engine.nixl import torch_without_cuda
 from pushsvc.errors import ConfigError, DeviceError
 
 log = structlog.get_logger("pushsvc.devmem")
 
 
 def load_device_memory(mode: str) -> DeviceMemory | None:
-    """``"off"``: none. ``"auto"``: CUDA where the installed torch is a CUDA build and sees a
-    GPU, else none (said once in the log). ``"on"``: CUDA, or a ``ConfigError`` saying why not."""
-    if mode == "off" or (mode == "auto" and torch_without_cuda()):
+    """``"off"``: none. ``"auto"``: CUDA where the host has a CUDA driver and a visible GPU,
+    else none (said once in the log). ``"on"``: CUDA, or a ``ConfigError`` saying why not."""
+    if mode == "off":
         return None
     from pushsvc.devmem.cuda import CudaMemory
 
@@ -32,5 +31,11 @@ def load_device_memory(mode: str) -> DeviceMemory | None:
     # refuses to register it as VRAM ("VRAM memory is detected as host by UCX"). Without
     # the cache UCX asks the driver. Read by UCX when each agent is made, after this.
     os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
-    log.info("gpu_path_on", memory=memory.name, ucx_memtype_cache=os.environ["UCX_MEMTYPE_CACHE"])
+    # UCX's cuda_ipc transport keeps every peer allocation it mapped (D's landing buffer,
+    # which P's WRITEs go into) until this process exits, even after the peer is gone
+    # (openucx/ucx#11753): each restart of a D daemon would pin its old landing buffer on
+    # the GPU for as long as P's daemon lives. Without the cache UCX unmaps after use.
+    os.environ.setdefault("UCX_CUDA_IPC_CACHE", "n")
+    log.info("gpu_path_on", memory=memory.name, ucx_memtype_cache=os.environ["UCX_MEMTYPE_CACHE"],
+             ucx_cuda_ipc_cache=os.environ["UCX_CUDA_IPC_CACHE"])
     return memory

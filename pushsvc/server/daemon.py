@@ -180,7 +180,9 @@ class Daemon:
                 {"rank": r.number, "tp_size": r.tp_size, "role": r.role, "agent": r.agent.name,
                  "registered": r.ready, "worker_connected": r.conn is not None,
                  "mem_type": r.memory.mem_type if r.memory else None,
-                 "landing_slots": r.memory.landing.geometry.slots if r.memory and r.memory.landing else 0}
+                 "landing_slots": r.memory.landing.geometry.slots if r.memory and r.memory.landing else 0,
+                 "landing_bytes": r.memory.landing.buffer.size + r.memory.landing.copier.nbytes
+                 if r.memory and r.memory.landing else 0}
                 for r in self.service.ranks.current.values()
             ],
             "retiring_agents": [r.agent.name for r in self.service.ranks.retiring],

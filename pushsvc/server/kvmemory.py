@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import structlog
 
-from pushsvc.devmem.base import Device, DeviceMemory, RowView
+from pushsvc.devmem.base import Device, DeviceMemory
 from pushsvc.engine.base import Agent
-from pushsvc.errors import DeviceError, LayoutError, ProtocolError
+from pushsvc.errors import LayoutError, ProtocolError
 from pushsvc.protocol import worker as wp
 from pushsvc.server.ranks import LandingMemory, MappedBuffer, RankMemory, layout_from_regions
 from pushsvc.shm import SharedBuffer
-from pushsvc.state.landing import CopyGeometry, LandingGeometry, row_extent
+from pushsvc.state.landing import CopyPlan, LandingGeometry
 from pushsvc.state.layout import MAX_DESCRIPTORS, Layout, descriptor_table
 
 log = structlog.get_logger("pushsvc.kvmemory")
@@ -103,9 +103,6 @@ def _map_cuda(msg: wp.RegisterKV, agent: Agent, role: wp.Role, devmem: DeviceMem
             landing_buffer = device.allocate(geometry.nbytes)
             agent.register([(landing_buffer.address, landing_buffer.size)], "VRAM", device.ordinal)
             landing = _landing(device, layout, geometry, landing_buffer)
-            view = RowView(device, landing.dst, landing.copy.origin, landing.copy.unit)
-        else:
-            view = _view(device, layout)
     except BaseException:
         for b in buffers:
             b.close()
@@ -114,32 +111,15 @@ def _map_cuda(msg: wp.RegisterKV, agent: Agent, role: wp.Role, devmem: DeviceMem
         raise
     log.info("cuda_kv_mapped", device=device.ordinal, buffers=len(buffers), imported=sum(b.size for b in buffers),
              landing_slots=landing.geometry.slots if landing else 0,
-             landing_bytes=landing.geometry.nbytes if landing else 0, row_bytes=view.unit)
-    return RankMemory(buffers, list(msg.regions), layout, descs, dlist, "VRAM", device, view, landing)
+             landing_bytes=landing.geometry.nbytes if landing else 0,
+             copy_width=landing.copier.plan.width if landing else 0)
+    return RankMemory(buffers, list(msg.regions), layout, descs, dlist, "VRAM", device, landing)
 
 
 def _landing(device: Device, layout: Layout, geometry: LandingGeometry, buffer: MappedBuffer) -> LandingMemory:
-    copy = CopyGeometry.build(layout, geometry)
-    try:
-        dst = device.row_space(copy.origin, copy.span, copy.unit)
-        src = device.row_space(buffer.address, geometry.nbytes, copy.unit)
-    except DeviceError:
-        raise
-    except Exception as exc:  # torch refusing a view is a device problem, reported as such
-        raise DeviceError(f"cannot set up the landing copy: {exc}") from exc
-    return LandingMemory(buffer, geometry, geometry.layout(buffer.address), copy, dst, src)
-
-
-def _view(device: Device, layout: Layout) -> RowView:
-    """The worker's KV as rows, for digests on the device (verify mode)."""
-    origin, span, unit = row_extent(layout)
-    try:
-        space = device.row_space(origin, span, unit)
-    except DeviceError:
-        raise
-    except Exception as exc:
-        raise DeviceError(f"cannot view the KV memory as rows: {exc}") from exc
-    return RowView(device, space, origin, unit)
+    advertised = geometry.layout(buffer.address)
+    copier = device.landing_copier(CopyPlan.build(layout, advertised))
+    return LandingMemory(buffer, geometry, advertised, copier)
 
 
 def _require_sealed(fd: int) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from pushsvc.devmem.base import CopyJob, Device
+from pushsvc.devmem.base import CopyJob
 from pushsvc.errors import DeviceError
 from pushsvc.metrics import Metrics
 from pushsvc.server.ranks import LandingMemory, Rank
@@ -60,18 +60,9 @@ class _Entry:
 @dataclass(eq=False)
 class _RankLanding:
     memory: LandingMemory
-    device: Device
     slots: SlotAllocator
     entries: dict[str, _Entry] = field(default_factory=dict)
     closing: bool = False  # shutting down: freed slots go to nobody
-    rows: dict[tuple[int, int, int], object] = field(default_factory=dict)  # (regions, group) -> on the device
-
-    def device_rows(self, regions: range, group: int) -> object | None:
-        key = (regions.start, regions.stop, group)
-        if key not in self.rows:
-            rows = self.memory.copy.rows(regions, group)
-            self.rows[key] = None if rows is None else self.device.upload_rows(rows)
-        return self.rows[key]
 
 
 class Landing:
@@ -85,10 +76,9 @@ class Landing:
 
     def attach(self, rank: Rank) -> None:
         memory = rank.memory
-        assert memory is not None and memory.landing is not None and memory.device is not None
+        assert memory is not None and memory.landing is not None
         groups = memory.layout.groups
-        self._ranks[rank] = _RankLanding(memory.landing, memory.device,
-                                         SlotAllocator(groups, memory.landing.geometry.slots))
+        self._ranks[rank] = _RankLanding(memory.landing, SlotAllocator(groups, memory.landing.geometry.slots))
 
     def active(self, rank: Rank) -> bool:
         return rank in self._ranks
@@ -167,12 +157,12 @@ class Landing:
         assert grant is not None
         try:
             for g, ids in enumerate(entry.block_ids):
-                rows = state.device_rows(regions, g) if ids else None
-                if rows is None:
+                first, count = memory.copier.plan.span(regions, g) if ids else (0, 0)
+                if not count:
                     continue
                 slots = physical_blocks(np.arange(grant.starts[g], grant.starts[g] + len(ids)), bpl)
                 blocks = physical_blocks(np.asarray(ids, dtype=np.int64), bpl)
-                entry.copies.append(state.device.gather(memory.dst, rows, blocks, memory.src, slots))
+                entry.copies.append(memory.copier.gather(g, first, count, slots, blocks))
                 self._metrics.landing_copies.inc()
         except DeviceError as exc:
             entry.error = str(exc)
@@ -183,7 +173,7 @@ class Landing:
     def poll(self) -> None:
         """Settle finished copies; run the final actions they held."""
         for rank, entry in list(self._copying):
-            entry.copies = [job for job in entry.copies if not job.done()]
+            entry.copies = [job for job in entry.copies if not self._settled(rank, entry, job)]
             if entry.copies:
                 continue
             self._copying.discard((rank, entry))
@@ -194,6 +184,15 @@ class Landing:
                 entry.landed_at = 0.0
             if entry.action is not None:
                 self._end(rank, entry)
+
+    def _settled(self, rank: Rank, entry: _Entry, job: CopyJob) -> bool:
+        try:
+            return job.done()
+        except DeviceError as exc:  # the copy's event reports a device fault: the KV is not trusted
+            if not entry.error:
+                entry.error = f"landing copy failed on the device: {exc}"
+                log.error("landing_copy_failed", request_id=entry.rid, rank=rank.number, error=entry.error)
+            return True
 
     def hot(self, rank: Rank | None = None) -> bool:
         """Copies in flight (of ``rank``, or of any rank)."""

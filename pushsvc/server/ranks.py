@@ -17,12 +17,12 @@ from typing import Protocol
 
 import numpy as np
 
-from pushsvc.devmem.base import Device, RowSpace, RowView
+from pushsvc.devmem.base import Device, LandingCopier
 from pushsvc.engine.base import Agent, DListHandle
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
 from pushsvc.server.remotes import RemoteAgents
-from pushsvc.state.landing import CopyGeometry, LandingGeometry
+from pushsvc.state.landing import LandingGeometry
 from pushsvc.state.layout import Layout, RegionSpec
 
 
@@ -52,9 +52,7 @@ class LandingMemory:
     buffer: MappedBuffer
     geometry: LandingGeometry
     layout: Layout  # the buffer as P addresses it
-    copy: CopyGeometry
-    dst: RowSpace  # the worker's KV as rows of ``copy.unit`` bytes from ``copy.origin``
-    src: RowSpace  # the landing buffer as rows
+    copier: LandingCopier  # its copies into the worker's KV
 
 
 @dataclass(eq=False)
@@ -68,12 +66,16 @@ class RankMemory:
     dlist: DListHandle | None  # None where this rank never WRITEs (a consumer of CUDA KV)
     mem_type: str = "DRAM"
     device: Device | None = None
-    view: RowView | None = None  # the worker's KV as device rows (digests on a GPU)
     landing: LandingMemory | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(b.size for b in self.buffers)
+
+    @property
+    def vram(self) -> Device | None:
+        """The device holding the worker's KV (None for host memory)."""
+        return self.device if self.mem_type == "VRAM" else None
 
     @property
     def advertised(self) -> Layout:
@@ -85,6 +87,7 @@ class RankMemory:
             b.close()
         self.buffers.clear()
         if self.landing is not None:
+            self.landing.copier.close()
             self.landing.buffer.close()
 
 

@@ -324,7 +324,7 @@ class Receiver:
             return "P sent no digests (is P's daemon running with verify on?)"
         assert rank.memory is not None
         memory = rank.memory
-        actual = digest_memory(memory.descs, dest_indices(memory.layout, entry.block_ids), memory.view)
+        actual = digest_memory(memory.descs, dest_indices(memory.layout, entry.block_ids), memory.vram)
         bad = count_mismatches(expected, actual)
         total = len(actual) // 8
         self._metrics.verified_blocks.labels("mismatch").inc(bad)

@@ -4,8 +4,8 @@ P's daemon digests every source block of a WRITE (xxh3-64, in the order the WRIT
 blocks) and sends the digests with ``WriteStarted``; when the completion arrives, D's
 daemon digests its destination blocks in the same order and compares. On CPU both daemons
 read the blocks through their own mapping of the workers' shared KV memory, without
-copying; on a GPU they read them through bounded host copies (``HOST_COPY_BYTES`` at a
-time, gathered on the device), D after its landing copy, so the check covers it too.
+copying; on a GPU they read them through host copies (runs of adjacent blocks, ``HOST_COPY_BYTES``
+at most), D after its landing copy, so the check covers it too.
 A mismatch fails the request and is counted; so is a WRITE whose digests never came.
 """
 
@@ -16,35 +16,36 @@ import ctypes
 import numpy as np
 import xxhash
 
-from pushsvc.devmem.base import RowView
+from pushsvc.devmem.base import Device
 
 HOST_COPY_BYTES = 64 << 20
 
 
-def digest_memory(descs: np.ndarray, indices: np.ndarray, view: RowView | None) -> bytes:
-    """Digests of the blocks ``descs[indices]``: in host memory, or on the device of ``view``."""
-    return digest_blocks(descs, indices) if view is None else digest_device_blocks(view, descs, indices)
+def digest_memory(descs: np.ndarray, indices: np.ndarray, device: Device | None) -> bytes:
+    """Digests of the blocks ``descs[indices]``: in host memory, or on ``device``."""
+    return digest_blocks(descs, indices) if device is None else digest_device_blocks(device, descs, indices)
 
 
-def digest_device_blocks(view: RowView, descs: np.ndarray, indices: np.ndarray) -> bytes:
+def digest_device_blocks(device: Device, descs: np.ndarray, indices: np.ndarray) -> bytes:
+    """The blocks copied to the host in runs (blocks adjacent in memory and in order go in
+    one copy) of at most ``HOST_COPY_BYTES``, then digested."""
     out = np.empty(len(indices), dtype="<u8")
     i = 0
     while i < len(indices):
-        rows: list[np.ndarray] = []
-        sizes: list[int] = []
-        total = 0
-        j = i
-        while j < len(indices) and (not sizes or total + int(descs[indices[j]][1]) <= HOST_COPY_BYTES):
+        start, total, _ = (int(x) for x in descs[indices[i]])
+        lengths = [total]
+        j = i + 1
+        while j < len(indices):
             addr, length, _ = (int(x) for x in descs[indices[j]])
-            first = (addr - view.origin) // view.unit
-            rows.append(np.arange(first, first + length // view.unit, dtype=np.int64))
-            sizes.append(length)
+            if addr != start + total or total + length > HOST_COPY_BYTES:
+                break
+            lengths.append(length)
             total += length
             j += 1
-        data = view.device.read_rows(view.space, np.concatenate(rows))
+        data = memoryview(device.read(start, total))
         at = 0
-        for k, length in enumerate(sizes):
-            out[i + k] = xxhash.xxh3_64_intdigest(data[at:at + length].tobytes())
+        for k, length in enumerate(lengths):
+            out[i + k] = xxhash.xxh3_64_intdigest(data[at:at + length])
             at += length
         i = j
     return out.tobytes()

@@ -56,7 +56,7 @@ def plan_push(memory: RankMemory, remote: Layout, match: Match, target: pp.Agent
     # A landing D copies each part out as it lands; others get one WRITE.
     parts = parts_for(plan.nbytes, part_bytes, plan.region_count) if (
         target.parts and peer_minor >= pp.PARTS_MINOR) else 1
-    digests = digest_memory(memory.descs, plan.src_indices, memory.view) if verify else b""
+    digests = digest_memory(memory.descs, plan.src_indices, memory.vram) if verify else b""
     return PushPlan(plan, parts, digests)
 
 

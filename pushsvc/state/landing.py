@@ -10,8 +10,9 @@ them into the worker's KV (docs/gpu.md).
 * ``SlotAllocator``: contiguous slot ranges per KV group, first fit, waiting requests
   served strictly in arrival order (a large request is never overtaken for good). It never
   hands out a slot another grant holds.
-* ``CopyGeometry`` / ``CopyRows`` / ``copy_rows``: the copy as rows of ``unit`` bytes, from
-  the landing rows of the request's slots to the worker rows of its blocks.
+* ``CopyPlan`` / ``copy_ranges`` / ``check_pairs``: the copy from the landing slots of a
+  request into the worker's blocks, one table entry per region, as the copy kernel reads it
+  (``copy_ranges`` is what the kernel does, for the fake device and the tests).
 * ``part_regions`` / ``parts_for``: a WRITE split into parts by region (layer), so each
   part keeps its descriptor runs whole; P and D cut the same way.
 """
@@ -22,7 +23,7 @@ import bisect
 import enum
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -86,85 +87,94 @@ class LandingGeometry:
         ), bpl)
 
 
-# ---------------------------------------------------------------- rows of the copy
+# ---------------------------------------------------------------- the copy
+
+
+COPY_FIELDS = 8  # int64s per entry of a copy table (64 bytes; the kernel reads them as such)
+COPY_ALIGN = 16  # the widest access of the copy kernel, in bytes
 
 
 @dataclass(frozen=True, slots=True)
-class CopyRows:
-    """How the rows of one block position move, for a set of regions of one group: the
-    landing row of entry ``e`` for physical slot ``p`` is ``p * src_strides[e] +
-    src_offsets[e]``; it goes to worker row ``w * dst_strides[e] + dst_offsets[e]`` for
-    the worker's physical block ``w``."""
+class CopyPlan:
+    """D's landing copy for one rank, as the copy kernel reads it: one entry per worker
+    region, ordered by KV group and then region, each
 
-    src_offsets: np.ndarray  # int64
-    src_strides: np.ndarray
-    dst_offsets: np.ndarray
-    dst_strides: np.ndarray
+        ``(src_base, src_stride, src_blocks, dst_base, dst_stride, dst_blocks, nbytes, 0)``
 
-    def __len__(self) -> int:
-        return len(self.src_offsets)
+    so that copying physical landing slot ``s`` of an entry into the worker's physical block
+    ``w`` moves ``nbytes`` from ``src_base + s * src_stride`` to ``dst_base + w * dst_stride``
+    (nothing, where ``s >= src_blocks`` or ``w >= dst_blocks``). A part's regions of one group
+    are one run of entries (``span``), so one launch copies them."""
 
-
-@dataclass(frozen=True, slots=True)
-class CopyGeometry:
-    origin: int  # lowest worker region address
-    span: int  # bytes from origin to the end of the highest region
-    unit: int  # bytes per row, dividing every block length, stride and offset
-    regions: tuple[RegionSpec, ...]  # the worker's
-    landing: tuple[int, ...]  # per region: the offset of its landing area
-    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+    table: np.ndarray  # (regions, COPY_FIELDS) int64
+    region_of: np.ndarray  # the worker region of each entry
+    group_of: np.ndarray  # the KV group of each entry
+    groups: int
+    slots: int  # physical landing slots per region
+    width: int  # bytes that divide every address, stride and length (at most COPY_ALIGN)
 
     @classmethod
-    def build(cls, worker: Layout, landing: LandingGeometry) -> CopyGeometry:
-        origin, span, unit = row_extent(worker)
-        for off in landing.offsets:
-            unit = math.gcd(unit, off)
-        return cls(origin, span, unit, worker.regions, landing.offsets)
+    def build(cls, worker: Layout, landing: Layout) -> CopyPlan:
+        """The copy from ``landing`` (``LandingGeometry.layout``) into ``worker``, region by region."""
+        if len(worker.regions) != len(landing.regions):
+            raise LayoutError("the landing layout does not match the worker's regions")
+        order = sorted(range(len(worker.regions)), key=lambda i: (worker.regions[i].group, i))
+        table = np.zeros((len(order), COPY_FIELDS), dtype=np.int64)
+        width = COPY_ALIGN
+        for row, i in enumerate(order):
+            w, l = worker.regions[i], landing.regions[i]
+            table[row, :7] = (l.base, l.stride, l.num_blocks, w.base, w.stride, w.num_blocks, w.block_len)
+            width = math.gcd(width, l.base, l.stride, w.base, w.stride, w.block_len)
+        group_of = np.array([worker.regions[i].group for i in order], dtype=np.int64)
+        slots = min((r.num_blocks for r in landing.regions), default=0)
+        return cls(table, np.array(order, dtype=np.int64), group_of, worker.groups, slots, width)
 
-    def rows(self, regions: range, group: int) -> CopyRows | None:
-        """The rows of ``regions``' blocks of ``group`` (None if none of them is in it)."""
-        key = (regions.start, regions.stop, group)
-        if key not in self._cache:
-            parts = [[], [], [], []]
-            u = self.unit
-            for i in regions:
-                r = self.regions[i]
-                if r.group != group:
-                    continue
-                n = r.block_len // u
-                j = np.arange(n, dtype=np.int64)
-                parts[0].append(self.landing[i] // u + j)
-                parts[1].append(np.full(n, n, dtype=np.int64))
-                parts[2].append((r.base - self.origin) // u + j)
-                parts[3].append(np.full(n, r.stride // u, dtype=np.int64))
-            self._cache[key] = CopyRows(*(np.concatenate(p) for p in parts)) if parts[0] else None
-        return self._cache[key]
+    def span(self, regions: range, group: int) -> tuple[int, int]:
+        """(first entry, entries) of ``regions`` that are in ``group``: one contiguous run."""
+        mine = np.flatnonzero((self.group_of == group) & (self.region_of >= regions.start)
+                              & (self.region_of < regions.stop))
+        return (int(mine[0]), len(mine)) if len(mine) else (0, 0)
+
+    def max_bytes(self, first: int, count: int) -> int:
+        return int(self.table[first:first + count, 6].max()) if count else 0
 
 
-def row_extent(layout: Layout) -> tuple[int, int, int]:
-    """(origin, span, unit) of a layout's memory seen as rows: from its lowest region to the
-    end of its highest, in rows of the largest size dividing every block length, stride
-    and region offset."""
-    origin = min(r.base for r in layout.regions)
-    span = max(r.base + (r.num_blocks - 1) * r.stride + r.block_len for r in layout.regions) - origin
-    unit = 0
-    for r in layout.regions:
-        unit = math.gcd(unit, r.block_len, r.stride, r.base - origin)
-    return origin, span, unit
+def copy_ranges(plan: CopyPlan, first: int, count: int, slots: np.ndarray,
+                blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the copy kernel does for entries ``first .. first + count`` and the pairs
+    (``slots[i]`` -> ``blocks[i]``), as (source addresses, destination addresses, lengths),
+    pair-major. Pairs out of an entry's range copy nothing."""
+    t = plan.table[first:first + count]
+    s = np.asarray(slots, dtype=np.int64)[:, None]
+    w = np.asarray(blocks, dtype=np.int64)[:, None]
+    keep = ((s >= 0) & (s < t[None, :, 2]) & (w >= 0) & (w < t[None, :, 5])).reshape(-1)
+    src = (t[None, :, 0] + s * t[None, :, 1]).reshape(-1)
+    dst = (t[None, :, 3] + w * t[None, :, 4]).reshape(-1)
+    lengths = np.broadcast_to(t[None, :, 6], (len(s), len(t))).reshape(-1)
+    return src[keep], dst[keep], lengths[keep]
+
+
+def check_pairs(plan: CopyPlan, first: int, count: int, slots: np.ndarray, blocks: np.ndarray) -> str:
+    """Why these pairs cannot be copied as one launch ("" if they can): the slots must be one
+    ascending run and every pair in range of every entry (the kernel would skip the rest)."""
+    if len(slots) != len(blocks):
+        return f"{len(slots)} landing slots for {len(blocks)} blocks"
+    if not len(slots) or not count:
+        return ""
+    if first < 0 or first + count > len(plan.table):
+        return f"copy entries {first}..{first + count - 1} of {len(plan.table)}"
+    t = plan.table[first:first + count]
+    if slots[0] < 0 or np.any(np.diff(slots) != 1) or slots[-1] >= t[:, 2].min():
+        return "landing slots are not one run inside the buffer"
+    if blocks.min() < 0 or blocks.max() >= t[:, 5].min():
+        return f"block {int(blocks.max())} outside the worker's KV ({int(t[:, 5].min())} blocks)"
+    return ""
 
 
 def physical_blocks(ids: list[int] | np.ndarray, per_logical: int) -> np.ndarray:
     """Physical block ids of logical ``ids``, in order."""
     base = np.asarray(ids, dtype=np.int64) * per_logical
     return (base[:, None] + np.arange(per_logical, dtype=np.int64)).reshape(-1)
-
-
-def copy_rows(rows: CopyRows, slots: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(landing rows, worker rows) for physical landing ``slots`` going to the worker's
-    physical ``blocks`` (pairwise), in the same order."""
-    src = (slots[:, None] * rows.src_strides[None, :] + rows.src_offsets[None, :]).reshape(-1)
-    dst = (blocks[:, None] * rows.dst_strides[None, :] + rows.dst_offsets[None, :]).reshape(-1)
-    return src, dst
 
 
 # ---------------------------------------------------------------- allocator

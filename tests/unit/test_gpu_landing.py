@@ -142,6 +142,24 @@ async def test_the_watchdog_fails_a_registration_that_waited_too_long_for_space(
 
 
 @pytest.mark.asyncio
+async def test_a_device_fault_in_the_copy_fails_the_request_and_frees_its_slots() -> None:
+    async with gpu_pair() as (pair, devmem):
+        devmem.hold_copies = True
+        pair.register_recv("f", [1, 2])
+        pair.send_ready("f", [4, 5])
+        await wait_until(lambda: devmem.copies_in_flight == 1, "the copy in flight")
+        devmem.fault_copies, devmem.hold_copies = True, False
+        failed = await pair.dw.wait_for(wp.RecvFailed, "f")
+        assert failed.reason.startswith("landing_copy: landing copy failed on the device: cuEventQuery failed")
+        assert metric(pair.d, "pushsvc_failures_total", kind="landing_copy") == 1
+        assert _landing(pair.d)["used"] == 0
+        devmem.fault_copies = False
+        pair.register_recv("g", [1, 2])  # the daemon carries on
+        pair.send_ready("g", [4, 5])
+        await pair.dw.wait_for(wp.RecvDone, "g")
+
+
+@pytest.mark.asyncio
 async def test_verify_digests_the_device_blocks_on_both_sides() -> None:
     async with gpu_pair(part_mib=1, p_config={"verify": True}, d_config={"verify": True}) as (pair, _devmem):
         pair.register_recv("v", [10, 11, 12, 13])

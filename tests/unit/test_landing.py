@@ -12,10 +12,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pushsvc.errors import LayoutError
 from pushsvc.state.landing import (
     AllocOutcome,
-    CopyGeometry,
+    CopyPlan,
     LandingGeometry,
     SlotAllocator,
-    copy_rows,
+    check_pairs,
+    copy_ranges,
     part_regions,
     parts_for,
     physical_blocks,
@@ -84,7 +85,8 @@ def test_copies_put_every_landed_block_where_a_direct_write_would(groups, bpl, b
     worker = worker_layout(layers=3, blocks=blocks, block_len=block_len, groups=groups, bpl=bpl, gap=block_len * 7)
     origin = min(r.base for r in worker.regions)
     geometry = LandingGeometry.build(worker, 8 * bpl * sum(r.block_len for r in worker.regions) + 5)
-    copy = CopyGeometry.build(worker, geometry)
+    landing_layout = geometry.layout(0)
+    plan = CopyPlan.build(worker, landing_layout)
     rng = np.random.default_rng(7)
     ids = [[9, 2, 5], [1, 7]][:groups]
     starts = [3, 1][:groups]
@@ -92,29 +94,25 @@ def test_copies_put_every_landed_block_where_a_direct_write_would(groups, bpl, b
     src_layout = Layout(tuple(RegionSpec(r.base, r.block_len, 64 * bpl, r.block_len, r.group)
                               for r in worker.regions), bpl)
     src_ids = [list(range(len(g))) for g in ids]
-    landing_layout = geometry.layout(0)
-    plan = plan_write(src_layout, landing_layout, src_ids, slot_ids)
+    write = plan_write(src_layout, landing_layout, src_ids, slot_ids)
     src_table, dst_table = descriptor_table(src_layout), descriptor_table(landing_layout)
     source = {int(src_table[i][0]): rng.integers(0, 256, int(src_table[i][1]), dtype=np.uint8).tobytes()
-              for i in plan.src_indices}
+              for i in write.src_indices}
     landing = bytearray(geometry.nbytes)
     span = max(r.base + r.num_blocks * r.stride for r in worker.regions) - origin
     before = rng.integers(0, 256, span, dtype=np.uint8).tobytes()
     space = bytearray(before)
-    unit = copy.unit
-    src_rows_of = np.frombuffer(landing, dtype=np.uint8).reshape(-1, unit)
-    dst_rows_of = np.frombuffer(space, dtype=np.uint8).reshape(-1, unit)
-    for i, piece in enumerate(split_plan(plan, parts)):
+    for i, piece in enumerate(split_plan(write, parts)):
         for s_i, d_i in zip(piece.src_indices, piece.dst_indices):  # the part lands ...
             addr, length, _ = (int(x) for x in dst_table[d_i])
             landing[addr:addr + length] = source[int(src_table[s_i][0])]
         for g, g_ids in enumerate(ids):  # ... and is copied, as the daemon does it
-            rows = copy.rows(part_regions(len(worker.regions), parts, i), g)
-            if rows is None:
-                continue
+            first, count = plan.span(part_regions(len(worker.regions), parts, i), g)
             slots = physical_blocks(range(starts[g], starts[g] + len(g_ids)), bpl)
-            src_rows, dst_rows = copy_rows(rows, slots, physical_blocks(g_ids, bpl))
-            dst_rows_of[dst_rows] = src_rows_of[src_rows]
+            blocks = physical_blocks(g_ids, bpl)
+            assert check_pairs(plan, first, count, slots, blocks) == ""
+            for src, dst, n in zip(*copy_ranges(plan, first, count, slots, blocks)):
+                space[dst - origin:dst - origin + n] = landing[src:src + n]
     expected = bytearray(before)
     direct = plan_write(src_layout, worker, src_ids, ids)
     worker_table = descriptor_table(worker)
@@ -124,12 +122,42 @@ def test_copies_put_every_landed_block_where_a_direct_write_would(groups, bpl, b
     assert space == expected
 
 
-def test_copy_unit_is_the_largest_common_row() -> None:
+def test_copy_width_is_the_widest_access_every_address_allows() -> None:
     worker = Layout((RegionSpec(1 << 20, 4096, 10, 8192, 0), RegionSpec((1 << 20) + 4096, 4096, 10, 8192, 0)))
-    geometry = LandingGeometry.build(worker, MiB)
-    assert CopyGeometry.build(worker, geometry).unit == 4096
+    assert CopyPlan.build(worker, LandingGeometry.build(worker, MiB).layout(1 << 30)).width == 16
     odd = Layout((RegionSpec(1000, 12, 10, 12, 0), RegionSpec(2000, 12, 10, 12, 0)))
-    assert CopyGeometry.build(odd, LandingGeometry.build(odd, 10_000)).unit == 4  # 1000 apart: gcd(12, 1000)
+    assert CopyPlan.build(odd, LandingGeometry.build(odd, 10_000).layout(0)).width == 4  # gcd(12, 1000)
+    assert CopyPlan.build(odd, LandingGeometry.build(odd, 10_000).layout(1)).width == 1  # landing at an odd address
+
+
+def test_a_parts_regions_of_one_group_are_one_run_of_the_table() -> None:
+    worker = worker_layout(layers=5, groups=2)  # regions alternate groups by layer
+    plan = CopyPlan.build(worker, LandingGeometry.build(worker, MiB).layout(0))
+    assert list(plan.group_of) == sorted(plan.group_of)
+    for parts in (1, 2, 3, 10):
+        for i in range(parts):
+            regions = part_regions(len(worker.regions), parts, i)
+            for g in range(2):
+                first, count = plan.span(regions, g)
+                want = [r for r in regions if worker.regions[r].group == g]
+                assert list(plan.region_of[first:first + count]) == want
+
+
+def test_pairs_the_kernel_would_skip_are_refused_before_a_launch() -> None:
+    worker = worker_layout(layers=2, blocks=40)
+    geometry = LandingGeometry.build(worker, 8 * 4 * 256)
+    plan = CopyPlan.build(worker, geometry.layout(0))
+    ok = np.array([2, 3, 4]), np.array([39, 0, 7])
+    assert check_pairs(plan, 0, 4, *ok) == ""
+    assert "not one run" in check_pairs(plan, 0, 4, np.array([2, 4, 5]), ok[1])
+    assert "not one run" in check_pairs(plan, 0, 4, np.array([6, 7, 8]), ok[1])  # 8 slots only
+    assert "outside the worker's KV" in check_pairs(plan, 0, 4, ok[0], np.array([40, 0, 7]))
+    assert "outside the worker's KV" in check_pairs(plan, 0, 4, ok[0], np.array([-1, 0, 7]))
+    assert "2 landing slots for 3 blocks" in check_pairs(plan, 0, 4, ok[0][:2], ok[1])
+    assert "copy entries" in check_pairs(plan, 2, 4, *ok)
+    # and what the kernel would do with them anyway: nothing out of range
+    src, dst, n = copy_ranges(plan, 0, 4, np.array([7, 8]), np.array([40, 3]))
+    assert len(src) == 0
 
 
 # ---------------------------------------------------------------- parts
