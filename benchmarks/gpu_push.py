@@ -208,12 +208,13 @@ def phases(p_log: str, d_log: str) -> dict[str, dict[str, float]]:
 
 
 def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int, small_reps: int,
-                log_level: str = "warning") -> dict:
+                log_level: str = "warning", part_mib: int | None = None) -> dict:
     from procs import start_daemon
 
     base = Path(tempfile.mkdtemp(prefix="psbench-gpu-"))
     landing_mib = (total_blocks * BLOCK_BYTES >> 20) + 64
-    p_daemon = start_daemon(base, "prefill", "--gpu", "on", "--log-level", log_level, timeout=120)
+    parts = ("--write-part-mib", str(part_mib)) if part_mib is not None else ()
+    p_daemon = start_daemon(base, "prefill", "--gpu", "on", "--log-level", log_level, *parts, timeout=120)
     d_daemon = start_daemon(base, "decode", "--gpu", "on", "--log-level", log_level, "--landing-mib",
                             str(landing_mib), timeout=120)
     p = _Proc(p_daemon, "producer", total_blocks, 1)
@@ -308,6 +309,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--small", type=int, default=50)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--part-mib", type=int, default=None,
+                    help="P's write_part_mib (default: the daemon's own default)")
     ap.add_argument("--phases", action="store_true",
                     help="daemon push only, daemons logging at debug: where each push's time goes")
     args = ap.parse_args()
@@ -317,7 +320,8 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.phases:
-        push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug")
+        push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug",
+                           part_mib=args.part_mib)
         (out_dir / "gpu_phases.json").write_text(json.dumps(push["phases"], indent=2))
         for rid, ev in list(push["phases"].items())[:: max(1, len(push["phases"]) // 40)]:
             print(rid, " ".join(f"{k}={v}" for k, v in sorted(ev.items(), key=lambda kv: kv[1])))
@@ -327,7 +331,7 @@ def main() -> None:
     print("in-process NIXL ...", flush=True)
     anchor = nixl_anchor(sizes, total, patterns, args.repeats)
     print("daemon push ...", flush=True)
-    push = daemon_push(sizes, total, patterns, args.repeats, args.small)
+    push = daemon_push(sizes, total, patterns, args.repeats, args.small, part_mib=args.part_mib)
     rows = []
     for pattern in patterns:
         for n in sizes:
@@ -340,7 +344,7 @@ def main() -> None:
     result = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, "small_request": push["small"],
               "layout": {"layers": LAYERS, "block_size": BLOCK_SIZE, "kv_heads": HEADS, "head_dim": DIM,
                          "dtype": "bfloat16", "block_bytes": BLOCK_BYTES},
-              "daemon_info": push["daemon_info"]}
+              "daemon_info": push["daemon_info"], "write_part_mib": args.part_mib}
     (out_dir / "gpu_push.json").write_text(json.dumps(result, indent=2))
     _chart(rows, out_dir / "gpu_push.png")
     print("\n| ids | blocks | MiB | daemon push GB/s | in-process NIXL GB/s | daemon / NIXL | torch copy GB/s "

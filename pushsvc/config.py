@@ -114,7 +114,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     landing_mib: int = 2048
     # P splits a WRITE into a landing buffer into parts of about this size, so D copies
     # early parts while later ones land (at most 32 parts); 0 = one WRITE.
-    write_part_mib: int = 16
+    write_part_mib: int = 256
 
     def resolve(self, env: Mapping[str, str] | None = None) -> Config:
         """Return a copy with derived defaults filled in; a resolved config is a fixed point."""
