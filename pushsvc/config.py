@@ -106,8 +106,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Request timelines kept for GET /v1/requests (docs/architecture.md); 0 keeps none
     # (the phase histogram and the request_timeline log event stay).
     timelines_kept: int = 256
-    # GPU path (docs/gpu.md). "auto": CUDA support is loaded at start when the installed
-    # torch is a CUDA build; "on": required; "off": CUDA KV registrations are refused.
+    # GPU path (docs/gpu.md). "auto": on where the host has a CUDA driver and a visible
+    # GPU; "on": required; "off": CUDA KV registrations are refused.
     gpu: str = "auto"
     # Landing buffer per consumer rank with CUDA KV (P WRITEs into it, D copies out);
     # 0 = WRITEs go straight into the imported worker KV (0.4 GB/s on one H200).
