@@ -46,7 +46,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify", dest="verify", action="store_true", default=None,
                    help="KV verify mode: digest pushed blocks on P, check them on D")
     p.add_argument("--gpu", dest="gpu", choices=["auto", "on", "off"],
-                   help="GPU path: auto (when torch is a CUDA build), on (required), off")
+                   help="GPU path: auto (when a CUDA driver and GPU are present), on (required), off")
     p.add_argument("--landing-mib", dest="landing_mib", type=int,
                    help="D's landing buffer per GPU rank, MiB (0: WRITE into vLLM's KV directly)")
     p.add_argument("--write-part-mib", dest="write_part_mib", type=int,

@@ -43,8 +43,8 @@ def map_kv(msg: wp.RegisterKV, fds: list[int], *, agent: Agent, role: wp.Role, d
     if fds:
         raise ProtocolError(f"{len(fds)} fds sent with CUDA memory, which takes none")
     if devmem is None:
-        raise ProtocolError("this daemon runs without the GPU path (gpu = \"off\", or no CUDA build of torch): "
-                            "it cannot take CUDA KV memory")
+        raise ProtocolError("this daemon runs without the GPU path (gpu = \"off\", or no CUDA driver or GPU "
+                            "on this host): it cannot take CUDA KV memory")
     return _map_cuda(msg, agent, role, devmem, settings)
 
 
