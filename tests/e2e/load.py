@@ -112,6 +112,44 @@ def group_pids(pgid: int) -> list[int]:
     return pids
 
 
+def _tcp_inodes() -> set[str]:
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                inodes.update(line.split()[9] for line in f)
+        except OSError:
+            pass
+    return inodes
+
+
+def group_fd_kinds(pgid: int) -> Counter:
+    """The descriptors of the group ``pgid`` by what they are open on: ``tcp``, ``socket``
+    (Unix and others), ``pipe``, ``anon_inode``, ``memfd``, device and plain files."""
+    tcp = _tcp_inodes()
+    kinds: Counter = Counter()
+    for pid in group_pids(pgid):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                kinds["tcp" if target[8:-1] in tcp else "socket"] += 1
+            elif target.startswith("/memfd:"):
+                kinds["memfd"] += 1
+            elif ":[" in target or target.startswith("anon_inode:"):
+                kinds[target.split(":")[0]] += 1
+            else:
+                kinds["device" if target.startswith("/dev/") else "file"] += 1
+    return kinds
+
+
 def group_fds(pgid: int) -> int:
     """Open file descriptors over every process of the group ``pgid``."""
     total = 0

@@ -42,7 +42,7 @@ from helpers import (
     wait_kv_usage,
     wait_tables_zero,
 )
-from load import Load, group_fds, kind
+from load import Load, group_fd_kinds, group_fds, kind
 
 from pushsvc.launch import connector_config
 
@@ -140,7 +140,8 @@ def _steady(pd: PD) -> dict[str, Any]:
         out[f"{side}_daemon"] = {"tables": info["tables"], "nixl_handles": info["nixl_handles"],
                                  "open_fds": info["open_fds"], "inflight_writes": _inflight_writes(url)}
     for side, proc in (("prefill", pd.prefill), ("decode", pd.decode)):
-        out[f"{side}_vllm"] = {"kv_usage": kv_usage(proc.url), "fds": group_fds(proc.popen.pid)}
+        out[f"{side}_vllm"] = {"kv_usage": kv_usage(proc.url), "fds": group_fds(proc.popen.pid),
+                               "fd_kinds": dict(group_fd_kinds(proc.popen.pid))}
     return out
 
 
@@ -170,7 +171,8 @@ def _assert_no_leak(before: dict[str, Any], after: dict[str, Any]) -> None:
             f"{side} daemon fds {d0['open_fds']} -> {d1['open_fds']}")
         v0, v1 = before[f"{side}_vllm"], after[f"{side}_vllm"]
         assert v1["kv_usage"] == 0, f"{side} vLLM KV usage {v1['kv_usage']}"
-        assert v1["fds"] <= v0["fds"] + VLLM_FD_MARGIN, f"{side} vLLM fds {v0['fds']} -> {v1['fds']}"
+        assert v1["fds"] <= v0["fds"] + VLLM_FD_MARGIN, (
+            f"{side} vLLM fds {v0['fds']} -> {v1['fds']}: by kind {v0.get('fd_kinds')} -> {v1.get('fd_kinds')}")
 
 
 def _warm(pd: PD, reqs: list[Req]) -> dict[str, Any]:
