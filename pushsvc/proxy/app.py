@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Self
 
 import aiohttp
@@ -31,7 +32,7 @@ from pushsvc.proxy.backends import (
 )
 from pushsvc.proxy.config import ProxyConfig
 from pushsvc.proxy.legs import PrefillCoordinates
-from pushsvc.proxy.metrics import ProxyMetrics
+from pushsvc.proxy.metrics import PHASES, ProxyMetrics
 from pushsvc.proxy.upstream import (
     UpstreamError,
     fetch_coordinates,
@@ -69,6 +70,13 @@ class Exchange:
     log: Any
     started: float = field(default_factory=time.monotonic)
     ttft_s: float | None = None
+    wall: float = field(default_factory=time.time)
+    # Seconds since ``started`` of each moment of the exchange (the proxy's side of a
+    # request's timeline, docs/proxy.md), each recorded at its first time.
+    moments: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, moment: str) -> None:
+        self.moments.setdefault(moment, time.monotonic() - self.started)
 
 
 @dataclass
@@ -202,8 +210,22 @@ class Proxy:
             self.decode.release(decode)
             total = time.monotonic() - started
             self.metrics.request_seconds.labels(endpoint).observe(total)
+            ex.moments["done"] = total
+            self._timeline(ex, status)
             log.debug("request_done", status=status, prefill=prefill.url, decode=decode.url,
                       ttft_s=ex.ttft_s, total_s=round(total, 6))
+
+    def _timeline(self, ex: Exchange, status: int) -> None:
+        """The exchange's moments: the phase histogram and one ``request_timeline`` event."""
+        m = ex.moments
+        for phase, (a, b) in PHASES.items():
+            # Not every exchange has every moment, nor in this order: D may answer before
+            # P does (D computed the prompt itself after a failed transfer, say).
+            if b in m and (a is None or a in m) and m[b] >= (m[a] if a else 0.0):
+                self.metrics.phase_seconds.labels(phase).observe(m[b] - (m[a] if a else 0.0))
+        ex.log.info("request_timeline", side="proxy", status=status,
+                    start=datetime.fromtimestamp(ex.wall, timezone.utc).isoformat(),
+                    events_ms={k: round(v * 1e3, 3) for k, v in sorted(m.items(), key=lambda kv: kv[1])})
 
     async def _exchange(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         p_task = asyncio.create_task(self._prefill_leg(ex))
@@ -246,6 +268,7 @@ class Proxy:
                 if not 200 <= response.status < 300:
                     raise await status_error(PREFILL, response)
                 await response.read()  # one token, discarded: P's work is the KV it pushes
+                ex.mark("prefill_answered")
         except _CALL_ERRORS as exc:
             err = translate(exc, PREFILL, backend.url)
             self._count_failure(err, backend, ex.log, phase="prefill")
@@ -267,12 +290,15 @@ class Proxy:
             )
             if not 200 <= response.status < 300:
                 raise await status_error(DECODE, response)
+            ex.mark("decode_answered")
             if stream:
                 first = await response.content.readany()
+                ex.mark("decode_first_chunk")
                 started, response = Streaming(response, first), None  # the caller closes it now
                 backend.mark_ok()
                 return started
             body = await response.read()
+            ex.mark("decode_first_chunk")  # the whole answer: its first token came with it
             backend.mark_ok()
             return Completed(response.status, response.headers.get(hdrs.CONTENT_TYPE, "application/json"), body)
         except _CALL_ERRORS as exc:
@@ -301,6 +327,7 @@ class Proxy:
                 while chunk:
                     await out.write(chunk)
                     if ex.ttft_s is None:
+                        ex.mark("first_chunk_sent")
                         ex.ttft_s = round(time.monotonic() - ex.started, 6)
                         self.metrics.ttft_seconds.labels(ex.endpoint).observe(ex.ttft_s)
                     try:

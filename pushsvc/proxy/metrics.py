@@ -15,6 +15,15 @@ from pushsvc.proxy.legs import REQUEST_ID_REFUSALS
 # TTFT through P/D spans milliseconds (tiny models) to minutes (long prompts, busy P).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
+# The proxy's phases of one exchange, as (from moment, to moment); None: the request's arrival.
+# ``after_prefill`` is what the proxy sees of the transfer, D's wait and D's first step.
+PHASES: dict[str, tuple[str | None, str]] = {
+    "prefill": (None, "prefill_answered"),
+    "decode_first_chunk": (None, "decode_first_chunk"),
+    "after_prefill": ("prefill_answered", "decode_first_chunk"),
+}
+_PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
 
 class ProxyMetrics:
     def __init__(self) -> None:
@@ -49,6 +58,14 @@ class ProxyMetrics:
             "pushsvc_proxy_request_seconds", "Generation requests: arrival to last byte sent",
             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.phase_seconds = Histogram(
+            "pushsvc_proxy_phase_seconds",
+            "Phases of an exchange: prefill (arrival to P's answer), decode_first_chunk (arrival to D's "
+            "first bytes), after_prefill (P's answer to D's first bytes: transfer, D's wait, D's first step)",
+            ["phase"], buckets=_PHASE_BUCKETS, registry=r,
+        )
+        for phase in PHASES:
+            self.phase_seconds.labels(phase)
         self.outstanding = Gauge(
             "pushsvc_proxy_outstanding", "Requests in flight per backend", ["role", "backend"], registry=r,
         )

@@ -6,9 +6,12 @@ import asyncio
 from typing import Any
 
 import pytest
+import structlog
 from proxy_standins import CHAT, COMPLETION, WAIT_S, StandIn, cluster, outstanding, transfer_id_of, wait_until
 
 from pushsvc.proxy import legs
+from pushsvc.proxy.app import Exchange, Proxy
+from pushsvc.proxy.config import ProxyConfig
 
 
 @pytest.mark.asyncio
@@ -77,3 +80,53 @@ async def test_streaming_passes_every_chunk_through_in_order(path: str) -> None:
         assert seen == c.d.sse(path)
         assert c.p.received[0].body["stream"] is False and "stream_options" not in c.p.received[0].body
         assert c.d.received[0].body["stream_options"] == {"include_usage": True}
+
+
+def _phase_count(metrics: str, phase: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(f'pushsvc_proxy_phase_seconds_count{{phase="{phase}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"no phase {phase} in /metrics")
+
+
+@pytest.mark.asyncio
+async def test_each_exchange_leaves_its_timeline_in_the_log_and_the_phase_histogram() -> None:
+    async with cluster() as c:
+        async def d_waits_for_p(standin: StandIn, body: dict[str, Any]) -> None:  # D needs P's KV first
+            await wait_until(lambda: bool(c.p.answered_at))
+            await asyncio.sleep(0.05)
+
+        c.d.gate = d_waits_for_p
+        with structlog.testing.capture_logs() as events:
+            async with c.client.post(c.url + "/v1/completions", json={**COMPLETION, "stream": True},
+                                     headers={"X-Request-Id": "timed"}) as r:
+                assert r.status == 200
+                await r.read()
+            await wait_until(lambda: any(e["event"] == "request_timeline" for e in events))
+        (line,) = [e for e in events if e["event"] == "request_timeline"]
+        assert line["request_id"] == "timed" and line["transfer_id"] == transfer_id_of(c.p.received[0].body)
+        assert line["side"] == "proxy" and line["status"] == 200 and line["start"].endswith("+00:00")
+        ms = line["events_ms"]
+        assert list(ms) == ["prefill_answered", "decode_answered", "decode_first_chunk", "first_chunk_sent", "done"]
+        assert ms["decode_first_chunk"] - ms["prefill_answered"] >= 50  # D's gate: P's answer, then 50 ms
+        metrics = await c.metrics()
+        for phase in ("prefill", "decode_first_chunk", "after_prefill"):
+            assert _phase_count(metrics, phase) == 1, phase
+
+
+def test_moments_out_of_order_are_logged_but_not_observed_as_a_phase() -> None:
+    """P may answer after D's first chunk (D streams while P's connection winds down, or D
+    computed the prompt itself): that exchange has no ``after_prefill`` phase."""
+    cfg = ProxyConfig(prefill=["http://127.0.0.1:1"], prefill_daemon=["http://127.0.0.1:2"],
+                      decode=["http://127.0.0.1:3"], port=0, health_interval_s=0)
+    proxy = Proxy(cfg)
+    backend = proxy.prefill.pick()
+    ex = Exchange("late-p", "k" * 32, legs.COMPLETIONS, {}, backend, proxy.decode.pick(), {}, structlog.get_logger())
+    ex.moments.update(decode_first_chunk=0.010, prefill_answered=0.020, done=0.030)
+    with structlog.testing.capture_logs() as events:
+        proxy._timeline(ex, 200)
+    (line,) = events
+    assert line["events_ms"] == {"decode_first_chunk": 10.0, "prefill_answered": 20.0, "done": 30.0}
+    samples = {s.labels["phase"]: s.value for m in proxy.metrics.phase_seconds.collect() for s in m.samples
+               if s.name.endswith("_count")}
+    assert samples == {"prefill": 1, "decode_first_chunk": 1, "after_prefill": 0}
