@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import attribution
 from procstats import CpuMeter, total
 
 from pushsvc.launch import Proc, Stack, connector_config, free_port
@@ -60,6 +61,8 @@ class Deployment:
     url: str
     roots: dict[str, int]  # label -> pid of a process tree that belongs to this deployment
     metrics: dict[str, str] = field(default_factory=dict)  # label -> Prometheus /metrics URL
+    # pushsvc: the last ``n`` requests' timelines (proxy log, P's and D's daemons)
+    timelines: Callable[[int], tuple[list[dict], list[dict], list[dict]]] | None = None
 
 
 # Daemon histograms whose per-workload mean says where a pushsvc request's time goes.
@@ -185,9 +188,14 @@ def _pushsvc(stack: BenchStack, model: str) -> Deployment:
                                         kv_transfer_config=connector_config("kv_consumer", dd)),
     })
     proxy = stack.proxy("pushsvc-proxy", [p], [pd], [d])
+
+    def timelines(n: int) -> tuple[list[dict], list[dict], list[dict]]:
+        return (attribution.proxy_timelines(proxy.log)[-n:], attribution.daemon_timelines(pd.url, n),
+                attribution.daemon_timelines(dd.url, n))
+
     return Deployment(proxy.url, {"P": p.popen.pid, "D": d.popen.pid, "daemon-P": pd.popen.pid,
                                   "daemon-D": dd.popen.pid, "proxy": proxy.popen.pid},
-                      {"P": f"{pd.url}/metrics", "D": f"{dd.url}/metrics"})
+                      {"P": f"{pd.url}/metrics", "D": f"{dd.url}/metrics"}, timelines)
 
 
 _PD = {"pinning": "P worker on core 0, D worker on core 1 (VLLM_CPU_OMP_THREADS_BIND)"}
@@ -308,8 +316,13 @@ def run_anchor(anchor: Anchor, model: str, workdir: Path, prompt_sets: dict[str,
                 rec = RunRecord(anchor.name, wl.prompt_set, wl.concurrency, wall, asdict(summarize(results, wall)),
                                 total(used) / len(results), used, count(ref), len(ref or {}),
                                 [r.to_json() for r in results])
+                where = _attribution(dep, len(prompts))
                 out["runs"].append({**asdict(rec), "matches_same_c": count(same), "daemon_timers_ms": timers,
-                                    "started": t_start, "ended": time.time()})
+                                    "attribution_p50_ms": where, "started": t_start, "ended": time.time()})
+                if where:
+                    log(f"  {anchor.name} {wl.prompt_set} c={wl.concurrency} TTFT p50 by phase (ms, "
+                        f"{where['requests']:.0f} requests): " + ", ".join(
+                            f"{k} {where[k]}" for k in attribution.PHASES if k in where))
                 errors = [r.error for r in results if not r.ok]
                 if errors:
                     log(f"  {anchor.name} {wl.prompt_set} c={wl.concurrency}: {len(errors)} failed, e.g. {errors[0]}")
@@ -323,6 +336,18 @@ def run_anchor(anchor: Anchor, model: str, workdir: Path, prompt_sets: dict[str,
     out["total_s"] = time.monotonic() - started
     out["ended"] = time.time()
     return out
+
+
+def _attribution(dep: Deployment, n: int) -> dict[str, float] | None:
+    """Medians of the phases of the last ``n`` requests (``attribution.py``), where the
+    deployment has timelines; None where it has none or they could not be read."""
+    if dep.timelines is None:
+        return None
+    time.sleep(0.5)  # the proxy logs a request's timeline as its response ends
+    try:
+        return attribution.medians(attribution.attribute(*dep.timelines(n)))
+    except (OSError, ValueError, KeyError) as exc:
+        return {"requests": 0, "error": str(exc)[:200]}  # type: ignore[dict-item]
 
 
 def _idle(meter: CpuMeter, seconds: float) -> tuple[dict[str, float], float]:

@@ -143,7 +143,8 @@ class Stack:
     def proxy(self, name: str, prefill: list[Proc], prefill_daemons: list[Proc], decode: list[Proc],
               port: int = 0) -> Proc:
         port = port or free_port()
-        argv = [sys.executable, "-m", "pushsvc", "proxy", "--port", str(port), "--host", "127.0.0.1"]
+        argv = [sys.executable, "-m", "pushsvc", "proxy", "--port", str(port), "--host", "127.0.0.1",
+                "--log-format", "json"]
         for p in prefill:
             argv += ["--prefill", p.url]
         for d in prefill_daemons:

@@ -1,0 +1,99 @@
+"""Where a P/D request's time to first token goes, from the three timelines of one host:
+the proxy's (``request_timeline`` log events, side ``proxy``) and P's and D's daemons'
+(``/v1/requests``). Joined on the request id the proxy sent as ``X-Request-Id``, which vLLM
+builds its own request ids from (``cmpl-<id>-0``, with a suffix of its own at times).
+
+Phases, in path order (milliseconds):
+
+* ``p_queue_prefill``: the proxy got the request -> P's worker handed its blocks to its
+  daemon (``send_ready``): P's queue and prefill, and the proxy's forwarding.
+* ``transfer``: ``send_ready`` -> P's WRITE settled (a wait for D's registration included).
+* ``d_notified``: WRITE settled -> D's worker got ``RecvDone`` (completion notification, D's
+  landing copy on a GPU, the daemon's final event).
+* ``d_first_step``: ``RecvDone`` -> D's first bytes at the proxy: the connector reporting
+  ``finished_recving``, D's scheduler taking the request, its first decode step.
+* ``proxy_out``: D's first bytes -> the first chunk sent to the client.
+* ``ttft``: the proxy got the request -> the first chunk sent.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+
+PHASES = ("p_queue_prefill", "transfer", "d_notified", "d_first_step", "proxy_out", "ttft")
+
+
+def _at(line: dict, event: str) -> float | None:
+    """Wall-clock seconds of ``event`` in a timeline (None if it has no such event)."""
+    ms = line.get("events_ms", {}).get(event)
+    return None if ms is None else datetime.fromisoformat(line["start"]).timestamp() + ms / 1e3
+
+
+def _owner(vllm_id: str, request_ids: set[str]) -> str | None:
+    """The X-Request-Id a vLLM request id was built from."""
+    for rid in request_ids:
+        if f"-{rid}-" in vllm_id or vllm_id.endswith(f"-{rid}"):
+            return rid
+    return None
+
+
+def attribute(proxy: list[dict], p: list[dict], d: list[dict]) -> dict[str, dict[str, float]]:
+    """Per request id: each phase in ms (phases a request lacks the moments for are left out)."""
+    by_rid = {line["request_id"]: line for line in proxy if line.get("side") == "proxy"}
+    ids = set(by_rid)
+    sends = {_owner(t["request_id"], ids): t for t in p if t.get("side") == "send"}
+    recvs = {_owner(t["request_id"], ids): t for t in d if t.get("side") == "recv"}
+    out: dict[str, dict[str, float]] = {}
+    for rid, line in by_rid.items():
+        send, recv = sends.get(rid), recvs.get(rid)
+        if send is None or recv is None:
+            continue
+        t = {
+            "arrival": datetime.fromisoformat(line["start"]).timestamp(),
+            "send_ready": _at(send, "send_ready"),
+            "write_settled": _at(send, "write_settled"),
+            "recv_done": _at(recv, "recv_done"),
+            "first_bytes": _at(line, "decode_first_chunk"),
+            "sent": _at(line, "first_chunk_sent") or _at(line, "decode_first_chunk"),
+        }
+        spans = {"p_queue_prefill": ("arrival", "send_ready"), "transfer": ("send_ready", "write_settled"),
+                 "d_notified": ("write_settled", "recv_done"), "d_first_step": ("recv_done", "first_bytes"),
+                 "proxy_out": ("first_bytes", "sent"), "ttft": ("arrival", "sent")}
+        out[rid] = {name: round((t[b] - t[a]) * 1e3, 3) for name, (a, b) in spans.items()
+                    if t[a] is not None and t[b] is not None}
+    return out
+
+
+def medians(per_request: dict[str, dict[str, float]]) -> dict[str, float]:
+    """p50 of each phase over the requests that have it, and how many requests joined."""
+    out: dict[str, float] = {"requests": len(per_request)}
+    for phase in PHASES:
+        values = [v[phase] for v in per_request.values() if phase in v]
+        if values:
+            out[phase] = round(statistics.median(values), 3)
+    return out
+
+
+def proxy_timelines(log_path: Path) -> list[dict]:
+    """The proxy's ``request_timeline`` events from its JSON log."""
+    out = []
+    for raw in log_path.read_text(errors="replace").splitlines():
+        if '"request_timeline"' not in raw:
+            continue
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if line.get("event") == "request_timeline":
+            out.append(line)
+    return out
+
+
+def daemon_timelines(base_url: str, limit: int) -> list[dict]:
+    with urllib.request.urlopen(f"{base_url}/v1/requests?limit={limit}", timeout=10) as r:
+        doc = json.loads(r.read())
+    return doc["timelines"]

@@ -1,0 +1,53 @@
+"""The TTFT attribution of ``make bench`` (benchmarks/attribution.py): the three timelines
+of one request joined on the proxy's request id, whatever vLLM adds around it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import attribution  # noqa: E402
+
+START = "2026-12-01T12:00:00+00:00"
+
+
+def _proxy(rid: str, **ms: float) -> dict:
+    return {"event": "request_timeline", "side": "proxy", "request_id": rid, "start": START, "events_ms": ms}
+
+
+def _daemon(rid: str, side: str, start_ms: float, **ms: float) -> dict:
+    start = f"2026-12-01T12:00:00.{int(start_ms * 1000):06d}+00:00"
+    return {"request_id": rid, "side": side, "start": start, "events_ms": ms}
+
+
+def test_phases_follow_one_request_across_the_three_timelines() -> None:
+    proxy = [_proxy("run-p1", prefill_answered=40, decode_first_chunk=70, first_chunk_sent=71, done=90),
+             _proxy("run-p10", prefill_answered=10, decode_first_chunk=30, first_chunk_sent=31, done=40)]
+    p = [_daemon("cmpl-run-p10-0-1a2b3c4d", "send", 5, send_ready=0, matched=0.5, write_settled=3),
+         _daemon("cmpl-run-p1-0", "send", 30, send_ready=0, matched=1, write_settled=4)]
+    d = [_daemon("cmpl-run-p1-0", "recv", 2, registered=0, recv_done=34),
+         _daemon("cmpl-run-p10-0-9f8e7d6c", "recv", 1, registered=0, recv_done=10)]
+    got = attribution.attribute(proxy, p, d)
+    assert got["run-p1"] == {"p_queue_prefill": 30.0, "transfer": 4.0, "d_notified": 2.0, "d_first_step": 34.0,
+                             "proxy_out": 1.0, "ttft": 71.0}
+    assert got["run-p10"]["p_queue_prefill"] == 5.0 and got["run-p10"]["d_first_step"] == 19.0
+    assert attribution.medians(got)["requests"] == 2 and attribution.medians(got)["ttft"] == 51.0
+
+
+def test_a_request_without_all_three_sides_or_moments_is_left_out_or_partial() -> None:
+    proxy = [_proxy("a", decode_first_chunk=20, done=21), _proxy("b", decode_first_chunk=5, done=6)]
+    p = [_daemon("cmpl-a-0", "send", 1, send_ready=0, send_failed=2)]  # no WRITE settled
+    d = [_daemon("cmpl-a-0", "recv", 0, registered=0, recv_failed=3)]
+    got = attribution.attribute(proxy, p, d)
+    assert set(got) == {"a"}  # b has no daemon side
+    assert got["a"] == {"p_queue_prefill": 1.0, "proxy_out": 0.0, "ttft": 20.0}
+
+
+def test_the_proxy_log_is_read_for_its_timelines_only(tmp_path) -> None:
+    log = tmp_path / "proxy.log"
+    log.write_text("\n".join([json.dumps({"event": "proxy_started"}), "not json request_timeline",
+                              json.dumps(_proxy("x", done=1)), ""]))
+    assert [line["request_id"] for line in attribution.proxy_timelines(log)] == ["x"]
