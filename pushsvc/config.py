@@ -177,6 +177,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("allowed_uids", "uids must be non-negative")
         if any(gid < 0 for gid in self.allowed_gids):
             raise ConfigError("allowed_gids", "gids must be non-negative")
+        for name in ("runtime_dir", "socket_path", "socket_group", "side_channel_secret_file", "engine_id",
+                     "health_host", "side_channel_host", "advertised_host"):
+            if "\x00" in getattr(self, name):
+                raise ConfigError(name, "must not contain a NUL character")
         if self.socket_group.startswith("-"):
             raise ConfigError("socket_group", "must be a group name or a non-negative gid")
         if not os.path.isabs(self.socket_path):
@@ -246,8 +250,8 @@ def read_secret_file(path: str) -> bytes:
     name = "side_channel_secret_file"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(name, f"cannot read {path}: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take (a NUL in it)
+        raise ConfigError(name, f"cannot read {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -349,3 +349,11 @@ def test_proxy_config_reports_conversion_errors_the_same_way() -> None:
     with pytest.raises(ConfigError) as info:
         load_proxy_config({"prefill": ["http://p:1"], "decode": ["http://d:1"], "port": 1})
     assert info.value.field == "prefill_daemon"
+
+
+@pytest.mark.parametrize("key", ["side_channel_secret_file", "socket_path", "runtime_dir", "engine_id"])
+def test_a_nul_in_a_path_or_name_is_a_config_error_not_a_crash(tmp_path: Path, key: str) -> None:
+    # Found by the config fuzzer: os.open raised ValueError ("embedded null byte") through load_config.
+    value = "/tmp/a\\u0000b" if key != "engine_id" else "p\\u0000"
+    err = config_error(path=write(tmp_path, f'{key} = "{value}"\n'))
+    assert err.field == key and "NUL" in str(err)
