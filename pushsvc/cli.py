@@ -33,6 +33,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--side-channel-secret-file", dest="side_channel_secret_file", metavar="PATH",
                    help="shared secret (mode 0600, >= 16 bytes) peers must prove before any metadata flows; "
                         "required unless the side channel binds loopback or --insecure-side-channel is given")
+    p.add_argument("--health-token-file", dest="health_token_file",
+                   help="bearer token file for /metrics, /v1/info, /v1/requests (required off loopback)")
+    p.add_argument("--insecure-health", dest="insecure_health", action="store_true", default=None,
+                   help="allow an unauthenticated health server off loopback (warned at every start)")
     p.add_argument("--insecure-side-channel", dest="insecure_side_channel", action="store_true", default=None,
                    help="allow a side channel off loopback without a secret: anyone who reaches it gets every "
                         "agent's NIXL metadata")
@@ -89,7 +93,7 @@ _PROXY_FIELDS = ("prefill", "prefill_daemon", "decode", "port", "host", "timeout
 
 
 _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_port", "side_channel_host",
-              "side_channel_port", "advertised_host", "side_channel_secret_file", "insecure_side_channel",
+              "side_channel_port", "advertised_host", "side_channel_secret_file", "insecure_side_channel", "health_token_file", "insecure_health",
               "allowed_peer_hosts", "lease_s", "watchdog_s", "log_format", "log_level", "verify", "gpu", "landing_mib",
               "write_part_mib", "ucx_error_handling_mode")
 

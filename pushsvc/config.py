@@ -58,6 +58,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # HTTP health / metrics / info.
     health_host: str = "127.0.0.1"
     health_port: int = 8471
+    # A file holding a bearer token (rules of side_channel_secret_file): when set, every
+    # path but /healthz and /readyz needs "Authorization: Bearer <token>". Required when
+    # health_host is not loopback, unless insecure_health.
+    health_token_file: str = ""
+    # Opt-out of that requirement: /metrics, /v1/info and /v1/requests open to whoever
+    # reaches the port. Logged as a warning at every start.
+    insecure_health: bool = False
     # Daemon-to-daemon side channel.
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 8472
@@ -178,7 +185,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if any(gid < 0 for gid in self.allowed_gids):
             raise ConfigError("allowed_gids", "gids must be non-negative")
         for name in ("runtime_dir", "socket_path", "socket_group", "side_channel_secret_file", "engine_id",
-                     "health_host", "side_channel_host", "advertised_host"):
+                     "health_host", "side_channel_host", "advertised_host", "health_token_file"):
             if "\x00" in getattr(self, name):
                 raise ConfigError(name, "must not contain a NUL character")
         if self.socket_group.startswith("-"):
@@ -192,6 +199,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ConfigError(name, "must not be empty")
         if self.side_channel_secret_file:
             read_secret_file(self.side_channel_secret_file)
+        if self.health_token_file:
+            read_secret_file(self.health_token_file, "health_token_file")
+        elif not is_loopback_host(self.health_host) and not self.insecure_health:
+            raise ConfigError(
+                "health_token_file",
+                f"required because health_host ({self.health_host!r}) is not a loopback address: without it "
+                "anyone who reaches the port reads /metrics, /v1/info (peers, agents) and /v1/requests "
+                "(request ids). Create a token (head -c 32 /dev/urandom | base64 > health.token; chmod 600 "
+                "health.token) and give it to the scraper as a bearer token; /healthz and /readyz stay open "
+                "for probes. Or, on a network you trust, set insecure_health = true (--insecure-health, "
+                "PUSHSVC_INSECURE_HEALTH=1)")
         try:
             PeerHostPolicy.build(self.allowed_peer_hosts)
         except InvalidPeerHost as exc:
@@ -240,14 +258,13 @@ _FIELD_TYPES: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(C
 _MAX_SECRET_FILE = 4096
 
 
-def read_secret_file(path: str) -> bytes:
+def read_secret_file(path: str, name: str = "side_channel_secret_file") -> bytes:
     """The side-channel secret held in ``path``, without one trailing newline.
 
     Refused with a ``ConfigError`` (which never quotes the contents) unless the file is a
     regular file the daemon can read, is not accessible by group or others, and holds
     at least 16 bytes. Checked on the open descriptor, so the file checked is the file read.
     """
-    name = "side_channel_secret_file"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take (a NUL in it)

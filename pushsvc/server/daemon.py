@@ -21,11 +21,12 @@ from typing import Any
 import structlog
 
 from pushsvc import __version__
-from pushsvc.config import Config
+from pushsvc.config import Config, read_secret_file
 from pushsvc.devmem.base import DeviceMemory
 from pushsvc.devmem.load import load_device_memory
 from pushsvc.engine.base import Engine
 from pushsvc.metrics import Metrics
+from pushsvc.peer_hosts import is_loopback_host
 from pushsvc.server.health import HealthServer
 from pushsvc.server.progress import ProgressLoop
 from pushsvc.server.rundir import prepare_runtime_dir, prepare_socket_dir
@@ -65,7 +66,8 @@ class Daemon:
             hello_timeout_s=config.worker_hello_timeout_s,
             max_pending=config.max_pending_workers,
         )
-        self.health = HealthServer(self, config.health_host, config.health_port, self.metrics)
+        token = read_secret_file(config.health_token_file, "health_token_file") if config.health_token_file else None
+        self.health = HealthServer(self, config.health_host, config.health_port, self.metrics, token=token)
         self.should_exit = False
         self.force_exit = False
         self.started = False
@@ -88,6 +90,8 @@ class Daemon:
         if self.config.insecure_side_channel and not self.config.side_channel_secret_file:
             log.warning("side_channel_unauthenticated", host=self.config.side_channel_host, port=self.service.peers.port)
         await self.health.start()
+        if not self.config.health_token_file and not is_loopback_host(self.config.health_host):
+            log.warning("health_unauthenticated", host=self.config.health_host, port=self.health.port)
         self._progress_task = asyncio.get_running_loop().create_task(self.progress.run(), name="pushsvc-progress")
         log.info("daemon_started", engine_id=self.config.engine_id, daemon_id=self.daemon_id[:8],
                  socket=self.config.socket_path, side_channel=f"{self.config.advertised_host}:{self.service.peers.port}",

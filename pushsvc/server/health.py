@@ -1,6 +1,9 @@
 """HTTP health, readiness, metrics and info, for operators and proxies (aiohttp).
 
-Bound to loopback by default. ``/healthz`` answers while the event loop runs;
+Bound to loopback by default; beyond it a bearer token is required (``health_token_file``)
+for everything but the probes: ``/healthz`` and ``/readyz`` say only up or ready, so the
+kubelet needs no secret, while ``/metrics``, ``/v1/info`` and ``/v1/requests`` answer 401
+without ``Authorization: Bearer <token>``. ``/healthz`` answers while the event loop runs;
 ``/readyz`` only once the worker socket listens, the side channel is up, the daemon
 is not shutting down, and every rank that said hello has its KV memory registered.
 
@@ -15,6 +18,7 @@ every probe wait behind thousands of dead connections, about a second on a loade
 from __future__ import annotations
 
 import asyncio
+import hmac
 from typing import Any, Protocol
 
 import structlog
@@ -34,6 +38,7 @@ IDLE_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 1024
 _BACKLOG = 128
 MAX_REQUESTS_LIMIT = 10_000
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes: never behind the token
 
 
 class HealthSource(Protocol):
@@ -45,8 +50,10 @@ class HealthSource(Protocol):
 
 class HealthServer:
     def __init__(self, source: HealthSource, host: str, port: int, metrics: Metrics | None = None, *,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
+                 token: bytes | None = None) -> None:
         self._source = source
+        self._expected = b"Bearer " + token if token else None
         self._host = host
         self._port = port
         self._counters = metrics
@@ -57,8 +64,20 @@ class HealthServer:
         self._listener: asyncio.Server | None = None
         self._dropped: set[RequestHandler] = set()
 
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self._expected is not None and request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode("latin-1", "replace")
+            if not hmac.compare_digest(given, self._expected):
+                if self._counters is not None:
+                    self._counters.rejected_connections.labels("health", "unauthorized").inc()
+                log.warning("health_unauthorized", path=request.path[:100], peer=request.remote)
+                return web.json_response({"error": "this path needs Authorization: Bearer <health token>"},
+                                         status=401, headers={"WWW-Authenticate": 'Bearer realm="pushsvc"'})
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._authorize])
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)

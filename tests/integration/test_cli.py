@@ -124,6 +124,23 @@ def test_side_channel_off_loopback_without_a_secret_exits_2(base_dir):
     assert out.returncode == 2 and "allowed_peer_hosts" in out.stderr
 
 
+def test_health_off_loopback_without_a_token_exits_2_and_the_flags_lift_it(base_dir):
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir), "--health-host", "0.0.0.0")
+    assert out.returncode == 2
+    assert "health_token_file" in out.stderr and "--insecure-health" in out.stderr
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir), "--health-host", "0.0.0.0", "--insecure-health",
+                   "--print-config")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["insecure_health"] is True
+    token = base_dir / "health.token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    token.chmod(0o600)
+    out = _pushsvc("serve", "--runtime-dir", str(base_dir), "--health-host", "0.0.0.0", "--health-token-file",
+                   str(token), "--print-config")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["health_token_file"] == str(token)
+
+
 def test_insecure_side_channel_and_peer_hosts_flags(base_dir):
     out = _pushsvc("serve", "--runtime-dir", str(base_dir), "--side-channel-host", "0.0.0.0",
                    "--insecure-side-channel", "--allowed-peer-host", "10.0.0.0/8", "--allowed-peer-host", "*",

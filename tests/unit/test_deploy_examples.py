@@ -61,7 +61,7 @@ def _container(pod: dict, name: str) -> dict:
     return found
 
 
-def test_sidecar_daemon_environment_loads_with_its_secret(secret: str) -> None:
+def test_sidecar_daemon_environment_loads_with_its_secret(secret: str, tmp_path: Path) -> None:
     daemon = _container(_sidecar(), "pushsvc")
     fields = {"POD_NAME": "vllm-prefill-0", "POD_IP": "10.244.1.7"}
     env: dict[str, str] = {}
@@ -72,8 +72,18 @@ def test_sidecar_daemon_environment_loads_with_its_secret(secret: str) -> None:
                 value = value.replace(f"$({ref})", sub)
             env[var["name"]] = value
     assert env["PUSHSVC_SIDE_CHANNEL_SECRET_FILE"].startswith("/")
-    cfg = load_config(None, env={**env, "PUSHSVC_SIDE_CHANNEL_SECRET_FILE": secret})
+    assert os.path.dirname(env["PUSHSVC_HEALTH_TOKEN_FILE"]) == os.path.dirname(env["PUSHSVC_SIDE_CHANNEL_SECRET_FILE"])
+    with pytest.raises(ConfigError) as info:  # off loopback: no health without its token
+        load_config(None, env={**env, "PUSHSVC_SIDE_CHANNEL_SECRET_FILE": secret,
+                               "PUSHSVC_HEALTH_TOKEN_FILE": ""})
+    assert info.value.field == "health_token_file"
+    token = tmp_path / "health.token"
+    token.write_text("fedcba9876543210fedcba9876543210\n")
+    token.chmod(0o400)
+    cfg = load_config(None, env={**env, "PUSHSVC_SIDE_CHANNEL_SECRET_FILE": secret,
+                                 "PUSHSVC_HEALTH_TOKEN_FILE": str(token)})
     assert cfg.side_channel_host == "0.0.0.0" and cfg.insecure_side_channel is False
+    assert cfg.health_host == "0.0.0.0" and cfg.insecure_health is False
     assert cfg.allowed_peer_hosts and cfg.engine_id == "vllm-prefill-0" and cfg.advertised_host == "10.244.1.7"
 
 
@@ -83,8 +93,10 @@ def test_sidecar_gives_the_daemon_a_private_0400_copy_of_the_secret() -> None:
     secret_file = next(v["value"] for v in daemon["env"] if v["name"] == "PUSHSVC_SIDE_CHANNEL_SECRET_FILE")
     init_names = [c["name"] for c in pod["spec"]["initContainers"]]
     assert init_names.index("pushsvc-secret") < init_names.index("pushsvc")  # copied before the daemon starts
+    token_file = next(v["value"] for v in daemon["env"] if v["name"] == "PUSHSVC_HEALTH_TOKEN_FILE")
     command = copier["command"]
-    assert command[:3] == ["install", "-m", "0400"] and command[-1] == secret_file
+    assert command[:5] == ["install", "-m", "0400", "-t", os.path.dirname(secret_file)]
+    assert {os.path.basename(f) for f in command[5:]} == {os.path.basename(secret_file), os.path.basename(token_file)}
     copy_dir = os.path.dirname(secret_file)
     (volume,) = [m["name"] for m in daemon["volumeMounts"] if m["mountPath"] == copy_dir]
     assert [m["name"] for m in copier["volumeMounts"] if m["mountPath"] == copy_dir] == [volume]
