@@ -47,7 +47,7 @@ _log = get_logger("pushsvc.proxy")
 _CALL_ERRORS = (aiohttp.ClientError, TimeoutError)
 # A client that left shows up as one of these when we write to it.
 _CLIENT_GONE = (ConnectionError, aiohttp.ClientConnectionResetError)
-_KEEPALIVE_S = 4.0
+BACKEND_KEEPALIVE_S = 4.0
 _STATUS_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
@@ -122,7 +122,7 @@ class Proxy:
     async def startup(self, app: web.Application) -> None:
         # vLLM's uvicorn drops idle keep-alive connections after 5 s; a POST that races that
         # close fails and is not retried, so pooled connections are given up a little earlier.
-        connector = aiohttp.TCPConnector(limit=self.config.max_connections, keepalive_timeout=_KEEPALIVE_S)
+        connector = aiohttp.TCPConnector(limit=self.config.max_connections, keepalive_timeout=BACKEND_KEEPALIVE_S)
         self._session = aiohttp.ClientSession(connector=connector)
         if self.config.health_interval_s > 0:
             self._probe_task = asyncio.create_task(self._probe_loop())
