@@ -24,7 +24,11 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-PHASES = ("p_queue_prefill", "transfer", "d_notified", "d_first_step", "proxy_out", "ttft")
+# phase -> (from moment, to moment), the moments as ``attribute`` names them
+_SPANS = {"p_queue_prefill": ("arrival", "send_ready"), "transfer": ("send_ready", "write_settled"),
+          "d_notified": ("write_settled", "recv_done"), "d_first_step": ("recv_done", "first_bytes"),
+          "proxy_out": ("first_bytes", "sent"), "ttft": ("arrival", "sent")}
+PHASES = tuple(_SPANS)
 
 
 def _at(line: dict, event: str) -> float | None:
@@ -60,10 +64,7 @@ def attribute(proxy: list[dict], p: list[dict], d: list[dict]) -> dict[str, dict
             "first_bytes": _at(line, "decode_first_chunk"),
             "sent": _at(line, "first_chunk_sent") or _at(line, "decode_first_chunk"),
         }
-        spans = {"p_queue_prefill": ("arrival", "send_ready"), "transfer": ("send_ready", "write_settled"),
-                 "d_notified": ("write_settled", "recv_done"), "d_first_step": ("recv_done", "first_bytes"),
-                 "proxy_out": ("first_bytes", "sent"), "ttft": ("arrival", "sent")}
-        out[rid] = {name: round((t[b] - t[a]) * 1e3, 3) for name, (a, b) in spans.items()
+        out[rid] = {name: round((t[b] - t[a]) * 1e3, 3) for name, (a, b) in _SPANS.items()
                     if t[a] is not None and t[b] is not None}
     return out
 

@@ -93,7 +93,8 @@ _PROXY_FIELDS = ("prefill", "prefill_daemon", "decode", "port", "host", "timeout
 
 
 _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_port", "side_channel_host",
-              "side_channel_port", "advertised_host", "side_channel_secret_file", "insecure_side_channel", "health_token_file", "insecure_health",
+              "side_channel_port", "advertised_host", "side_channel_secret_file", "insecure_side_channel",
+              "health_token_file", "insecure_health",
               "allowed_peer_hosts", "lease_s", "watchdog_s", "log_format", "log_level", "verify", "gpu", "landing_mib",
               "write_part_mib", "ucx_error_handling_mode")
 

@@ -204,7 +204,8 @@ class CudaDevice:
         self.driver.stream_synchronize(self.stream)
 
     def _self_test(self) -> None:
-        """Each width of the kernel copies what ``copy_ranges`` says, or the device is not used."""
+        """Each width of the kernel copies two blocks of a one-entry plan to the places
+        ``CopyPlan`` says (a misaligned base forces the width), or the device is not used."""
         for width in kernel.WIDTHS:
             length, slots, blocks = 8 * width, 4, 5
             memory = self.allocate(4096)

@@ -221,8 +221,9 @@ class Proxy:
         for phase, (a, b) in PHASES.items():
             # Not every exchange has every moment, nor in this order: D may answer before
             # P does (D computed the prompt itself after a failed transfer, say).
-            if b in m and (a is None or a in m) and m[b] >= (m[a] if a else 0.0):
-                self.metrics.phase_seconds.labels(phase).observe(m[b] - (m[a] if a else 0.0))
+            start = m.get(a) if a else 0.0
+            if b in m and start is not None and m[b] >= start:
+                self.metrics.phase_seconds.labels(phase).observe(m[b] - start)
         ex.log.info("request_timeline", side="proxy", status=status,
                     start=datetime.fromtimestamp(ex.wall, timezone.utc).isoformat(),
                     events_ms={k: round(v * 1e3, 3) for k, v in sorted(m.items(), key=lambda kv: kv[1])})

@@ -1,8 +1,8 @@
 """Client load and process accounting for the fault tests on real vLLM.
 
 ``Load`` keeps requests flowing through the proxy from a few threads and records every
-outcome with its start time; ``group_fds`` counts the open files of a process group (a
-vLLM server is its API process plus the engine core it forks).
+outcome with its start time; ``group_fd_kinds`` counts the open files of a process group,
+by kind (a vLLM server is its API process plus the engine core it forks).
 """
 
 from __future__ import annotations
@@ -148,14 +148,3 @@ def group_fd_kinds(pgid: int) -> Counter:
             else:
                 kinds["device" if target.startswith("/dev/") else "file"] += 1
     return kinds
-
-
-def group_fds(pgid: int) -> int:
-    """Open file descriptors over every process of the group ``pgid``."""
-    total = 0
-    for pid in group_pids(pgid):
-        try:
-            total += len(os.listdir(f"/proc/{pid}/fd"))
-        except OSError:
-            pass  # gone meanwhile
-    return total

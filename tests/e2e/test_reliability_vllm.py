@@ -42,7 +42,7 @@ from helpers import (
     wait_kv_usage,
     wait_tables_zero,
 )
-from load import Load, group_fd_kinds, group_fds, kind
+from load import Load, group_fd_kinds, kind
 
 from pushsvc.launch import connector_config
 from pushsvc.proxy.app import BACKEND_KEEPALIVE_S
@@ -141,8 +141,8 @@ def _steady(pd: PD) -> dict[str, Any]:
         out[f"{side}_daemon"] = {"tables": info["tables"], "nixl_handles": info["nixl_handles"],
                                  "open_fds": info["open_fds"], "inflight_writes": _inflight_writes(url)}
     for side, proc in (("prefill", pd.prefill), ("decode", pd.decode)):
-        out[f"{side}_vllm"] = {"kv_usage": kv_usage(proc.url), "fds": group_fds(proc.popen.pid),
-                               "fd_kinds": dict(group_fd_kinds(proc.popen.pid))}
+        kinds = group_fd_kinds(proc.popen.pid)  # one pass over /proc: the count is their sum
+        out[f"{side}_vllm"] = {"kv_usage": kv_usage(proc.url), "fds": sum(kinds.values()), "fd_kinds": dict(kinds)}
     return out
 
 
