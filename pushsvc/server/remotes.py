@@ -1,8 +1,11 @@
 """The remote agents one local agent has loaded: NIXL metadata, prepared descriptor
 lists, and whether each remote's layout fits ours.
 
-Loading a remote costs a NIXL ``add_remote_agent`` and the preparation of one
-descriptor per remote block, on the event loop: a remote describing more blocks than
+Loading a remote costs a NIXL ``add_remote_agent`` and, where the local agent WRITEs to
+it (P's), the preparation of one descriptor per remote block, on the event loop. D's
+agents only notify P's, so they load the metadata and prepare nothing: P's regions may
+not even be registered with NIXL (P's staging), and preparing millions of descriptors
+nobody uses would stall D's loop for nothing. A remote describing more blocks than
 ``max_descriptors`` is refused before anything is built (a 711-byte hello once asked
 for 768 GiB of descriptors). A remote that failed to load, or whose layout does not fit,
 keeps its error, which every WRITE to it then reports.
@@ -45,9 +48,11 @@ def registration_error(engine_id: str, info: AgentInfo, reg: PushReg) -> tuple[s
 
 
 class RemoteAgents:
-    def __init__(self, agent: Agent, max_descriptors: int) -> None:
+    def __init__(self, agent: Agent, max_descriptors: int, *, prepare: bool) -> None:
         self._agent = agent
         self._max = max_descriptors
+        self._prepare = prepare  # prepare each remote's descriptors (the WRITing side)
+        self._loaded: set[str] = set()
         self._dlists: dict[str, DListHandle] = {}  # remote agent -> prepared list
         self._verdicts: dict[str, str] = {}  # remote agent -> "" (fits) or why not
         self._layouts: dict[str, Layout] = {}  # remote agent -> its layout, once it fits
@@ -55,7 +60,7 @@ class RemoteAgents:
     def load(self, info: AgentInfo) -> None:
         """Load ``info`` unless it is loaded already; a failure is kept as its verdict."""
         name = info.agent_name
-        if name in self._dlists:
+        if name in self._loaded:
             return
         loaded = ""
         try:
@@ -65,12 +70,14 @@ class RemoteAgents:
             loaded = self._agent.add_remote(info.metadata)
             if loaded != name:
                 raise TransferError(f"metadata names agent {loaded}, hello said {name}")
-            self._dlists[name] = self._agent.prep_remote(name, descriptor_table(layout_of_agent(info), info.device),
-                                                         info.mem_type)
+            if self._prepare:
+                self._dlists[name] = self._agent.prep_remote(name, descriptor_table(layout_of_agent(info), info.device),
+                                                             info.mem_type)
+            self._loaded.add(name)
             self._verdicts.pop(name, None)
             self._layouts.pop(name, None)
         except (TransferError, LayoutError, MemoryError) as exc:
-            if loaded and loaded not in self._dlists:
+            if loaded and loaded not in self._loaded:
                 try:  # loaded, but unusable: do not keep NIXL's copy either
                     self._agent.remove_remote(loaded)
                 except TransferError:
@@ -90,7 +97,8 @@ class RemoteAgents:
             try:
                 check_compatible(local, remote)
                 if name not in self._dlists:
-                    raise LayoutError(f"agent {name} was not loaded")
+                    raise LayoutError(f"agent {name} was not loaded" if name not in self._loaded
+                                      else f"agent {name} was loaded to be notified only")
                 verdict = ""
             except LayoutError as exc:
                 verdict = str(exc)
@@ -104,22 +112,24 @@ class RemoteAgents:
         return self._dlists[name]
 
     def names(self) -> list[str]:
-        return list(self._dlists)
+        return list(self._loaded)
 
     def unload(self, name: str) -> None:
         handle = self._dlists.pop(name, None)
         self._verdicts.pop(name, None)
         self._layouts.pop(name, None)
-        if handle is None:
+        if name not in self._loaded:
             return
+        self._loaded.discard(name)
         try:
-            self._agent.release_dlist(handle)
+            if handle is not None:
+                self._agent.release_dlist(handle)
             self._agent.remove_remote(name)
         except TransferError as exc:
             log.warning("remote_agent_unload_failed", local=self._agent.name, agent=name, error=str(exc))
 
     def __len__(self) -> int:
-        return len(self._dlists)
+        return len(self._loaded)
 
     def __repr__(self) -> str:
         return f"<RemoteAgents of {self._agent.name} loaded={len(self._dlists)}>"

@@ -115,8 +115,8 @@ class PushService:
         agent = self.engine.create_agent(name)
         # The kernel's word for the worker's pid (SO_PEERCRED), not the hello's: a process
         # that reconnects is recognised by it (``RankRegistry.successor``).
-        rank = Rank(hello.rank, hello.tp_size, hello.role, conn.pid, agent, RemoteAgents(agent, MAX_DESCRIPTORS),
-                    conn=conn)
+        remotes = RemoteAgents(agent, MAX_DESCRIPTORS, prepare=hello.role != "consumer")
+        rank = Rank(hello.rank, hello.tp_size, hello.role, conn.pid, agent, remotes, conn=conn)
         self.ranks.current[hello.rank] = rank
         self.metrics.agents.set(len(self.ranks.current))
         self.outbox.attached(rank)

@@ -27,7 +27,7 @@ class Conn:
 
 def rank(number: int, pid: int, conn: Conn | None) -> Rank:
     agent = FakeEngine().create_agent(f"r{number}-{pid}-{id(conn)}")
-    return Rank(number, 2, "both", pid, agent, RemoteAgents(agent, 1 << 10), conn=conn)
+    return Rank(number, 2, "both", pid, agent, RemoteAgents(agent, 1 << 10, prepare=True), conn=conn)
 
 
 def dropped(metrics: Metrics, kind: str) -> float:

@@ -118,7 +118,7 @@ async def test_a_peer_cannot_announce_more_agents_than_the_cap(monkeypatch: pyte
 def test_a_remote_agent_describing_too_many_blocks_is_refused_before_anything_is_built() -> None:
     engine = FakeEngine()
     local = engine.create_agent("local")
-    remotes = RemoteAgents(local, max_descriptors=1 << 16)
+    remotes = RemoteAgents(local, max_descriptors=1 << 16, prepare=True)
     # 711 bytes on the wire once asked for 768 GiB of descriptors.
     huge = pp.AgentInfo(rank=0, tp_size=1, agent_name="huge", metadata=b"fake:huge",
                         regions=[pp.RegionInfo(base=0, block_len=1, num_blocks=2**31 - 1)] * 16)
@@ -131,7 +131,7 @@ def test_a_remote_agent_describing_too_many_blocks_is_refused_before_anything_is
 def test_a_remote_agent_whose_metadata_names_another_agent_is_not_kept() -> None:
     engine = FakeEngine()
     local = engine.create_agent("local")
-    remotes = RemoteAgents(local, max_descriptors=1 << 16)
+    remotes = RemoteAgents(local, max_descriptors=1 << 16, prepare=True)
     liar = pp.AgentInfo(rank=0, tp_size=1, agent_name="claimed", metadata=b"fake:someone-else",
                         regions=AGENT.regions)
     remotes.load(liar)
@@ -141,7 +141,7 @@ def test_a_remote_agent_whose_metadata_names_another_agent_is_not_kept() -> None
 def test_a_remote_layout_is_built_once_while_the_agent_stays_loaded() -> None:
     engine = FakeEngine()
     local = engine.create_agent("local")
-    remotes = RemoteAgents(local, max_descriptors=1 << 16)
+    remotes = RemoteAgents(local, max_descriptors=1 << 16, prepare=True)
     peer = engine.create_agent("x/r0")
     info = pp.AgentInfo(rank=0, tp_size=1, agent_name="x/r0", metadata=peer.metadata(), regions=AGENT.regions)
     remotes.load(info)
@@ -238,3 +238,31 @@ async def test_an_agent_registered_between_the_two_hellos_is_announced() -> None
         update = await raw.read_msg()
         assert isinstance(update, pp.AgentsUpdate) and update.agents == [AGENT]
         raw.close()
+
+
+def test_a_notifying_side_loads_remote_metadata_but_prepares_no_descriptors() -> None:
+    """D's agents only notify P's: P's regions may not be registered with NIXL at all
+    (P's staging) and preparing them would cost D's loop for nothing."""
+    engine = FakeEngine()
+    local = engine.create_agent("local")
+    remotes = RemoteAgents(local, max_descriptors=1 << 16, prepare=False)
+    peer = engine.create_agent("x/r0")
+    info = pp.AgentInfo(rank=0, tp_size=1, agent_name="x/r0", metadata=peer.metadata(), regions=AGENT.regions)
+    remotes.load(info)
+    assert remotes.names() == ["x/r0"] and local.remotes == {"x/r0"}, "loaded: it can be notified"
+    assert local.dlists == set(), "and nothing was prepared"
+    with pytest.raises(LayoutError, match="notified only"):
+        remotes.layout(info, Layout((RegionSpec(0, 4096, 16, 4096),)))
+    remotes.unload("x/r0")
+    assert remotes.names() == [] and local.remotes == set()
+
+
+def test_a_writing_side_releases_what_it_prepared_on_unload() -> None:
+    engine = FakeEngine()
+    local = engine.create_agent("local")
+    remotes = RemoteAgents(local, max_descriptors=1 << 16, prepare=True)
+    peer = engine.create_agent("x/r0")
+    remotes.load(pp.AgentInfo(rank=0, tp_size=1, agent_name="x/r0", metadata=peer.metadata(), regions=AGENT.regions))
+    assert len(local.dlists) == 1 and local.remotes == {"x/r0"}
+    remotes.unload("x/r0")
+    assert local.dlists == set() and local.remotes == set()
