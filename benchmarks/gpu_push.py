@@ -207,13 +207,39 @@ def phases(p_log: str, d_log: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def timeline_medians(p_daemon, d_daemon, rids: list[str]) -> dict[str, float]:
+    """Median ms from P's ``send_ready`` to every event of both daemons' request timelines
+    (``/v1/requests``, kept whatever the log level) for ``rids``: where a push's time goes.
+    Both daemons run on this host, so their wall clocks agree to a few microseconds."""
+    from datetime import datetime
+
+    want, at = set(rids), {}
+    for side, daemon in (("P", p_daemon), ("D", d_daemon)):
+        status, body = daemon.get(f"/v1/requests?limit={min(10000, 2 * len(rids) + 100)}")
+        if status != 200:
+            raise RuntimeError(f"{side}'s /v1/requests answered {status}")
+        for t in json.loads(body)["timelines"]:
+            if t["request_id"] in want:
+                start = datetime.fromisoformat(t["start"]).timestamp() * 1e3
+                for name, ms in t["events_ms"].items():
+                    at.setdefault(t["request_id"], {})[f"{side} {name}"] = start + ms
+    offsets: dict[str, list[float]] = {}
+    for events in at.values():
+        if "P send_ready" in events:
+            for name, t in events.items():
+                offsets.setdefault(name, []).append(t - events["P send_ready"])
+    return dict(sorted(((k, round(statistics.median(v), 3)) for k, v in offsets.items()), key=lambda kv: kv[1]))
+
+
 def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int, small_reps: int,
-                log_level: str = "warning", part_mib: int | None = None) -> dict:
+                log_level: str = "warning", part_mib: int | None = None, staging_mib: int = 0) -> dict:
     from procs import start_daemon
 
     base = Path(tempfile.mkdtemp(prefix="psbench-gpu-"))
     landing_mib = (total_blocks * BLOCK_BYTES >> 20) + 64
     parts = ("--write-part-mib", str(part_mib)) if part_mib is not None else ()
+    if staging_mib:
+        parts += ("--staging-mib", str(staging_mib))
     p_daemon = start_daemon(base, "prefill", "--gpu", "on", "--log-level", log_level, *parts, timeout=120)
     d_daemon = start_daemon(base, "decode", "--gpu", "on", "--log-level", log_level, "--landing-mib",
                             str(landing_mib), timeout=120)
@@ -260,9 +286,12 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
             print(f"  daemon push     {pattern:10s} {n:5d} blocks: {out['push'][(pattern, n)] * 1e3:8.3f} ms "
                   f"(exposed copy {out['exposed'][(pattern, n)] * 1e3:.3f} ms, "
                   f"{out['parts'][(pattern, n)]:.0f} parts)", flush=True)
+    first_small = seq
     small = [one(1, [5], [9])[0] for _ in range(small_reps)]
+    out["small_rids"] = [f"b{i}" for i in range(first_small, seq)]
     out["small"] = {"p50_ms": float(np.percentile(small, 50) * 1e3), "p90_ms": float(np.percentile(small, 90) * 1e3),
                     "p99_ms": float(np.percentile(small, 99) * 1e3), "n": len(small)}
+    out["small_timeline_ms"] = timeline_medians(p_daemon, d_daemon, out["small_rids"])
     out["daemon_info"] = {"prefill": p_daemon.live_info(), "decode": d_daemon.live_info()}
     if log_level == "debug":
         out["phases"] = phases(p_daemon.log(), d_daemon.log())
@@ -311,6 +340,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     ap.add_argument("--part-mib", type=int, default=None,
                     help="P's write_part_mib (default: the daemon's own default)")
+    ap.add_argument("--staging-mib", type=int, default=0,
+                    help="P's staging_mib: P copies blocks into its own buffer and WRITEs from there")
     ap.add_argument("--phases", action="store_true",
                     help="daemon push only, daemons logging at debug: where each push's time goes")
     args = ap.parse_args()
@@ -321,17 +352,24 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.phases:
         push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug",
-                           part_mib=args.part_mib)
+                           part_mib=args.part_mib, staging_mib=args.staging_mib)
         (out_dir / "gpu_phases.json").write_text(json.dumps(push["phases"], indent=2))
         for rid, ev in list(push["phases"].items())[:: max(1, len(push["phases"]) // 40)]:
             print(rid, " ".join(f"{k}={v}" for k, v in sorted(ev.items(), key=lambda kv: kv[1])))
+        small = [push["phases"][r] for r in push["small_rids"] if r in push["phases"]]
+        print(f"small request, median ms after P's send_ready over {len(small)}:")
+        for _, event in _PHASES:
+            got = [ev[event] for ev in small if event in ev]
+            if got:
+                print(f"  {event:16s} {statistics.median(got):7.3f}")
         return
     print("torch copy ...", flush=True)
     copy = torch_copy(sizes, args.repeats)
     print("in-process NIXL ...", flush=True)
     anchor = nixl_anchor(sizes, total, patterns, args.repeats)
     print("daemon push ...", flush=True)
-    push = daemon_push(sizes, total, patterns, args.repeats, args.small, part_mib=args.part_mib)
+    push = daemon_push(sizes, total, patterns, args.repeats, args.small, part_mib=args.part_mib,
+                       staging_mib=args.staging_mib)
     rows = []
     for pattern in patterns:
         for n in sizes:
@@ -342,9 +380,11 @@ def main() -> None:
                          "daemon_vs_nixl": a / d, "exposed_copy_s": push["exposed"][(pattern, n)],
                          "exposed_share": push["exposed"][(pattern, n)] / d, "parts": push["parts"][(pattern, n)]})
     result = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, "small_request": push["small"],
+              "small_timeline_ms": push["small_timeline_ms"],
               "layout": {"layers": LAYERS, "block_size": BLOCK_SIZE, "kv_heads": HEADS, "head_dim": DIM,
                          "dtype": "bfloat16", "block_bytes": BLOCK_BYTES},
-              "daemon_info": push["daemon_info"], "write_part_mib": args.part_mib}
+              "daemon_info": push["daemon_info"], "write_part_mib": args.part_mib,
+              "staging_mib": args.staging_mib}
     (out_dir / "gpu_push.json").write_text(json.dumps(result, indent=2))
     _chart(rows, out_dir / "gpu_push.png")
     print("\n| ids | blocks | MiB | daemon push GB/s | in-process NIXL GB/s | daemon / NIXL | torch copy GB/s "
@@ -357,6 +397,9 @@ def main() -> None:
     s = push["small"]
     print(f"\nsmall request (1 block x 32 layers): SendReady -> RecvDone p50 {s['p50_ms']:.3f} ms, "
           f"p90 {s['p90_ms']:.3f} ms, p99 {s['p99_ms']:.3f} ms over {s['n']}")
+    print("  where it goes (daemons' request timelines, median ms after P's send_ready):")
+    for name, ms in push["small_timeline_ms"].items():
+        print(f"    {name:22s} {ms:7.3f}")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="GPU path: auto (when a CUDA driver and GPU are present), on (required), off")
     p.add_argument("--landing-mib", dest="landing_mib", type=int,
                    help="D's landing buffer per GPU rank, MiB (0: WRITE into vLLM's KV directly)")
+    p.add_argument("--staging-mib", dest="staging_mib", type=int,
+                   help="P: copy each request's GPU KV into a staging buffer of this size per rank, MiB, and WRITE "
+                        "from there (0: WRITE from vLLM's KV directly)")
     p.add_argument("--write-part-mib", dest="write_part_mib", type=int,
                    help="P: WRITEs into a landing buffer go in parts of about this size, MiB (0: one WRITE)")
     p.add_argument("--ucx-error-handling-mode", dest="ucx_error_handling_mode", choices=["peer", "none"],
@@ -96,6 +99,7 @@ _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_
               "side_channel_port", "advertised_host", "side_channel_secret_file", "insecure_side_channel",
               "health_token_file", "insecure_health",
               "allowed_peer_hosts", "lease_s", "watchdog_s", "log_format", "log_level", "verify", "gpu", "landing_mib",
+              "staging_mib",
               "write_part_mib", "ucx_error_handling_mode")
 
 

@@ -64,6 +64,9 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r)
         self.landing_copies = Counter("pushsvc_landing_copies", "Gather copies into worker KV (one per part)",
                                       registry=r)
+        self.staging_copies = Counter("pushsvc_staging_copies", "P: copies of a request's blocks into staging slots "
+                                      "(one per KV group)", registry=r)
+        self.staging_waits = Counter("pushsvc_staging_waits", "P: matches that waited for staging space", registry=r)
         self.landing_exposed_seconds = Histogram(
             "pushsvc_landing_exposed_seconds", "Last part landed to every copy into the worker's KV done",
             buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1, 1),

@@ -1,7 +1,7 @@
 """The device-memory interface the daemon is written against (docs/gpu.md).
 
 One ``DeviceMemory`` per daemon; one ``Device`` per GPU it touches, found by UUID; one
-``LandingCopier`` per rank with a landing buffer. Every method runs on the event loop and
+``Copier`` per rank with a landing buffer. Every method runs on the event loop and
 returns at once, except ``Device.read`` (verify mode's host copies) and ``synchronize``
 (shutdown). A copy's completion is a ``CopyJob`` the progress loop polls. Failures raise
 ``DeviceError``.
@@ -33,7 +33,7 @@ class CopyJob(Protocol):
         """Block until it finished (shutdown only)."""
 
 
-class LandingCopier(Protocol):
+class Copier(Protocol):
     """The copies of one rank's landing buffer into its worker's KV, as ``plan`` says."""
 
     plan: CopyPlan
@@ -59,7 +59,7 @@ class Device(Protocol):
     def allocate(self, nbytes: int) -> DeviceBuffer:
         """Allocate plain device memory owned by this process (a WRITE destination)."""
 
-    def landing_copier(self, plan: CopyPlan) -> LandingCopier: ...
+    def copier(self, plan: CopyPlan) -> Copier: ...
 
     def read(self, address: int, nbytes: int) -> bytes:
         """``nbytes`` of device memory from ``address``, on the host (blocks until copied)."""

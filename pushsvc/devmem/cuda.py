@@ -74,7 +74,7 @@ class _Nothing:
 class _Copier:
     """A rank's copy table and slot -> block map on the device; the map's host mirror in
     page-locked memory, so its uploads are asynchronous. A slot's map entry is rewritten
-    only when the slot is granted again, which is after every copy out of it finished."""
+    only when the slot is granted again, which is after every copy through it finished."""
 
     def __init__(self, device: CudaDevice, plan: CopyPlan) -> None:
         self.plan = plan
@@ -104,7 +104,7 @@ class _Copier:
         blocks = np.asarray(blocks, dtype=np.int64)
         why = check_pairs(self.plan, first, count, slots, blocks)
         if why:
-            raise DeviceError(f"landing copy refused: {why}")
+            raise DeviceError(f"copy refused: {why}")
         if not len(slots) or not count:
             return _Nothing()
         device, driver = self._device, self._device.driver
@@ -116,7 +116,7 @@ class _Copier:
         driver.upload_async(group_map + int(slots[0]) * 8, self._host + at * 8, len(blocks) * 8, stream)
         chunks = -(-self.plan.max_bytes(first, count) // kernel.CHUNK)
         params = (ctypes.c_uint64(self._memory.address), ctypes.c_uint64(group_map), ctypes.c_uint64(int(slots[0])),
-                  ctypes.c_uint32(first), ctypes.c_uint64(kernel.CHUNK))
+                  ctypes.c_uint32(first), ctypes.c_uint64(kernel.CHUNK), ctypes.c_uint32(int(self.plan.gather)))
         args = (ctypes.c_void_p * len(params))(*(ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in params))
         driver.launch(self._fn, (len(blocks), count, chunks), kernel.THREADS, stream, args)
         event = driver.event()
@@ -188,7 +188,7 @@ class CudaDevice:
 
         return _Mapping(address, nbytes, close)
 
-    def landing_copier(self, plan: CopyPlan) -> _Copier:
+    def copier(self, plan: CopyPlan) -> _Copier:
         if len(plan.table) > 65535:
             raise DeviceError(f"{len(plan.table)} KV regions: the landing copy takes at most 65535")
         return _Copier(self, plan)
@@ -207,27 +207,39 @@ class CudaDevice:
         """Each width of the kernel copies two blocks of a one-entry plan to the places
         ``CopyPlan`` says (a misaligned base forces the width), or the device is not used."""
         for width in kernel.WIDTHS:
-            length, slots, blocks = 8 * width, 4, 5
-            memory = self.allocate(4096)
-            try:
-                src, dst = memory.address + width, memory.address + 2048 + width
-                pattern = (np.arange(slots * length) % 251 + 1).astype(np.uint8)
-                self.driver.upload(src, pattern.ctypes.data, pattern.nbytes)
-                table = np.array([[src, length, slots, dst, length, blocks, length, 0]], dtype=np.int64)
-                plan = CopyPlan(table, np.zeros(1, np.int64), np.zeros(1, np.int64), 1, slots, width)
-                copier = _Copier(self, plan)
-                try:
-                    copier.gather(0, 0, 1, np.array([1, 2]), np.array([4, 0])).wait()
-                finally:
-                    copier.close()
-                got = np.frombuffer(self.read(dst, blocks * length), dtype=np.uint8).reshape(blocks, length)
-            finally:
-                memory.close()
-            want = np.zeros((blocks, length), dtype=np.uint8)
-            want[4], want[0] = pattern[length:2 * length], pattern[2 * length:3 * length]
-            if not np.array_equal(got, want):
-                raise DeviceError(f"the landing copy kernel ({width}-byte accesses) copied wrong bytes on this device")
+            for gather in (False, True):
+                self._check_width(width, gather)
         log.info("copy_kernel_checked", device=self.ordinal, widths=list(kernel.WIDTHS))
+
+    def _check_width(self, width: int, gather: bool) -> None:
+        length, slots, blocks = 8 * width, 4, 5
+        n_src, n_dst = (blocks, slots) if gather else (slots, blocks)
+        pairs = np.array([1, 2]), np.array([4, 0])  # (slots, blocks)
+        memory = self.allocate(4096)
+        try:
+            src, dst = memory.address + width, memory.address + 2048 + width
+            pattern = (np.arange(n_src * length) % 251 + 1).astype(np.uint8)
+            self.driver.upload(src, pattern.ctypes.data, pattern.nbytes)
+            table = np.array([[src, length, n_src, dst, length, n_dst, length, 0]], dtype=np.int64)
+            plan = CopyPlan(table, np.zeros(1, np.int64), np.zeros(1, np.int64), 1, slots, width, gather)
+            copier = _Copier(self, plan)
+            try:
+                copier.gather(0, 0, 1, *pairs).wait()
+            finally:
+                copier.close()
+            got = np.frombuffer(self.read(dst, n_dst * length), dtype=np.uint8).reshape(n_dst, length)
+        finally:
+            memory.close()
+        want = np.zeros((n_dst, length), dtype=np.uint8)
+        rows = pattern.reshape(n_src, length)
+        for s, b in zip(*pairs):
+            if gather:
+                want[s] = rows[b]
+            else:
+                want[b] = rows[s]
+        if not np.array_equal(got, want):
+            raise DeviceError(f"the copy kernel ({width}-byte accesses, {'staging' if gather else 'landing'}) "
+                              "copied wrong bytes on this device")
 
     def close(self) -> None:
         try:

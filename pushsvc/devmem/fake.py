@@ -65,7 +65,7 @@ class _Copier:
         slots, blocks = np.asarray(slots, dtype=np.int64), np.asarray(blocks, dtype=np.int64)
         why = check_pairs(self.plan, first, count, slots, blocks)
         if why:
-            raise DeviceError(f"landing copy refused: {why}")
+            raise DeviceError(f"copy refused: {why}")
         for src, dst, n in zip(*copy_ranges(self.plan, first, count, slots, blocks)):
             ctypes.memmove(int(dst), int(src), int(n))
         self._device.gathers += 1
@@ -114,7 +114,7 @@ class FakeDevice:
 
         return _Buffer(address, nbytes, freed)
 
-    def landing_copier(self, plan: CopyPlan) -> _Copier:
+    def copier(self, plan: CopyPlan) -> _Copier:
         return _Copier(self, plan)
 
     def read(self, address: int, nbytes: int) -> bytes:

@@ -3,12 +3,16 @@
 
 ``copy_blocks_<W>`` copies, for pair ``x`` and entry ``first + y`` of a ``CopyPlan``
 table (``state/landing.py``), the bytes ``[z * chunk, min((z + 1) * chunk, nbytes))`` of
-landing slot ``slot_base + x`` into the worker's block ``map[slot_base + x]``, ``W`` bytes
-per access (W in 16, 8, 4, 2, 1: the plan's ``width``). A slot or block out of the entry's
-range copies nothing (the host checks pairs before a launch; this is the second line).
+one block, ``W`` bytes per access (W in 16, 8, 4, 2, 1: the plan's ``width``). With slot
+``s = slot_base + x`` and block ``b = map[s]``: landing (``gather`` 0) copies source block
+``s`` (a landing slot) to destination block ``b`` (the worker's); staging (``gather`` 1)
+copies source block ``b`` (the worker's) to destination block ``s`` (a staging slot). A
+block out of the entry's range copies nothing (the host checks pairs before a launch;
+this is the second line).
 
 Parameters, in order: ``table`` (u64 address), ``map`` (u64 address of the int64
-slot -> block map of the group), ``slot_base`` (u64), ``first`` (u32), ``chunk`` (u64).
+slot -> block map of the group), ``slot_base`` (u64), ``first`` (u32), ``chunk`` (u64),
+``gather`` (u32).
 """
 
 from __future__ import annotations
@@ -28,10 +32,10 @@ _ACCESS = {  # width -> (registers, load/store type, value operand)
 _ENTRY = """
 .visible .entry copy_blocks_{w}(
     .param .u64 p_table, .param .u64 p_map, .param .u64 p_slot_base,
-    .param .u32 p_first, .param .u64 p_chunk)
+    .param .u32 p_first, .param .u64 p_chunk, .param .u32 p_gather)
 {{
-    .reg .pred %p<4>;
-    .reg .b32 %r<8>;
+    .reg .pred %p<5>;
+    .reg .b32 %r<9>;
     .reg .b64 %rd<28>;
     {regs}
 
@@ -40,6 +44,8 @@ _ENTRY = """
     ld.param.u64 %rd3, [p_slot_base];
     ld.param.u32 %r1, [p_first];
     ld.param.u64 %rd4, [p_chunk];
+    ld.param.u32 %r8, [p_gather];
+    setp.ne.u32 %p4, %r8, 0;
     cvta.to.global.u64 %rd1, %rd1;
     cvta.to.global.u64 %rd2, %rd2;
     mov.u32 %r2, %ctaid.x;
@@ -52,7 +58,9 @@ _ENTRY = """
     add.u64 %rd6, %rd3, %rd5;
     shl.b64 %rd7, %rd6, 3;
     add.u64 %rd7, %rd2, %rd7;
-    ld.global.u64 %rd8, [%rd7];
+    ld.global.u64 %rd27, [%rd7];
+    selp.b64 %rd8, %rd6, %rd27, %p4;
+    selp.b64 %rd6, %rd27, %rd6, %p4;
 
     add.u32 %r7, %r1, %r3;
     mul.wide.u32 %rd9, %r7, 64;

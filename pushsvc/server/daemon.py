@@ -186,7 +186,9 @@ class Daemon:
                  "mem_type": r.memory.mem_type if r.memory else None,
                  "landing_slots": r.memory.landing.geometry.slots if r.memory and r.memory.landing else 0,
                  "landing_bytes": r.memory.landing.buffer.size + r.memory.landing.copier.nbytes
-                 if r.memory and r.memory.landing else 0}
+                 if r.memory and r.memory.landing else 0,
+                 "staging_bytes": r.memory.staging.buffer.size + r.memory.staging.copier.nbytes
+                 if r.memory and r.memory.staging else 0}
                 for r in self.service.ranks.current.values()
             ],
             "retiring_agents": [r.agent.name for r in self.service.ranks.retiring],
@@ -200,7 +202,8 @@ class Daemon:
             "nixl_handles": self.service.nixl_handles(),
             "gpu": None if self.devmem is None else {
                 "memory": self.devmem.name, **self.devmem.usage(),
-                "landing_slots": self.service.receiver.landing.slot_counts()},
+                "landing_slots": self.service.receiver.landing.slot_counts(),
+                "staging_slots": self.service.sender.staging.slot_counts()},
             "open_fds": _open_fds(),
         }
 

@@ -19,7 +19,7 @@ from pushsvc.devmem.base import Device, DeviceMemory
 from pushsvc.engine.base import Agent
 from pushsvc.errors import LayoutError, ProtocolError
 from pushsvc.protocol import worker as wp
-from pushsvc.server.ranks import LandingMemory, MappedBuffer, RankMemory, layout_from_regions
+from pushsvc.server.ranks import LandingMemory, MappedBuffer, RankMemory, StagingMemory, layout_from_regions
 from pushsvc.shm import SharedBuffer
 from pushsvc.state.landing import CopyPlan, LandingGeometry
 from pushsvc.state.layout import MAX_DESCRIPTORS, Layout, descriptor_table
@@ -30,6 +30,7 @@ log = structlog.get_logger("pushsvc.kvmemory")
 @dataclass(frozen=True, slots=True)
 class MemorySettings:
     landing_bytes: int  # per consumer rank with CUDA KV; 0 = WRITEs go into the imported KV
+    staging_bytes: int = 0  # per producer rank with CUDA KV; 0 = WRITEs go from the imported KV
 
 
 def map_kv(msg: wp.RegisterKV, fds: list[int], *, agent: Agent, role: wp.Role, devmem: DeviceMemory | None,
@@ -86,7 +87,7 @@ def _map_cuda(msg: wp.RegisterKV, agent: Agent, role: wp.Role, devmem: DeviceMem
     assert isinstance(memory, wp.CudaIpcBuffers)
     device = devmem.device(memory.device_uuid)
     buffers: list[MappedBuffer] = []
-    landing_buffer: MappedBuffer | None = None
+    owned: list[MappedBuffer] = []  # landing and staging buffers
     try:
         for b in memory.buffers:
             buffers.append(device.import_ipc(b.handle))
@@ -94,32 +95,45 @@ def _map_cuda(msg: wp.RegisterKV, agent: Agent, role: wp.Role, devmem: DeviceMem
         layout = layout_from_regions(msg.regions, [b.address for b in buffers], msg.blocks_per_logical)
         descs = descriptor_table(layout, device.ordinal)
         dlist = None
-        if role != "consumer":
+        staging = None
+        if role != "consumer" and settings.staging_bytes:
+            geometry = LandingGeometry.build(layout, settings.staging_bytes)
+            owned.append(device.allocate(geometry.nbytes))
+            staging = _staging(agent, device, layout, geometry, owned[-1])
+        elif role != "consumer":
             agent.register([(b.address, b.size) for b in buffers], "VRAM", device.ordinal)
             dlist = agent.prep_local(descs, "VRAM")
         landing = None
         if role != "producer" and settings.landing_bytes:
             geometry = LandingGeometry.build(layout, settings.landing_bytes)
-            landing_buffer = device.allocate(geometry.nbytes)
-            agent.register([(landing_buffer.address, landing_buffer.size)], "VRAM", device.ordinal)
-            landing = _landing(device, layout, geometry, landing_buffer)
+            owned.append(device.allocate(geometry.nbytes))
+            agent.register([(owned[-1].address, owned[-1].size)], "VRAM", device.ordinal)
+            landing = _landing(device, layout, geometry, owned[-1])
     except BaseException:
-        for b in buffers:
+        for b in [*buffers, *owned]:
             b.close()
-        if landing_buffer is not None:
-            landing_buffer.close()
         raise
     log.info("cuda_kv_mapped", device=device.ordinal, buffers=len(buffers), imported=sum(b.size for b in buffers),
              landing_slots=landing.geometry.slots if landing else 0,
              landing_bytes=landing.geometry.nbytes if landing else 0,
+             staging_slots=staging.geometry.slots if staging else 0,
              copy_width=landing.copier.plan.width if landing else 0)
-    return RankMemory(buffers, list(msg.regions), layout, descs, dlist, "VRAM", device, landing)
+    return RankMemory(buffers, list(msg.regions), layout, descs, dlist, "VRAM", device, landing, staging)
 
 
 def _landing(device: Device, layout: Layout, geometry: LandingGeometry, buffer: MappedBuffer) -> LandingMemory:
     advertised = geometry.layout(buffer.address)
-    copier = device.landing_copier(CopyPlan.build(layout, advertised))
+    copier = device.copier(CopyPlan.build(layout, advertised))
     return LandingMemory(buffer, geometry, advertised, copier)
+
+
+def _staging(agent: Agent, device: Device, layout: Layout, geometry: LandingGeometry,
+             buffer: MappedBuffer) -> StagingMemory:
+    own = geometry.layout(buffer.address)
+    agent.register([(buffer.address, buffer.size)], "VRAM", device.ordinal)
+    descs = descriptor_table(own, device.ordinal)
+    dlist = agent.prep_local(descs, "VRAM")
+    return StagingMemory(buffer, geometry, own, device.copier(CopyPlan.build_staging(layout, own)), descs, dlist)
 
 
 def _require_sealed(fd: int) -> None:

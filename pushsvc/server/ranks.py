@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pushsvc.devmem.base import Device, LandingCopier
+from pushsvc.devmem.base import Device, Copier
 from pushsvc.engine.base import Agent, DListHandle
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
@@ -52,7 +52,21 @@ class LandingMemory:
     buffer: MappedBuffer
     geometry: LandingGeometry
     layout: Layout  # the buffer as P addresses it
-    copier: LandingCopier  # its copies into the worker's KV
+    copier: Copier  # its copies into the worker's KV
+
+
+@dataclass(eq=False)
+class StagingMemory:
+    """P's staging buffer for a rank with CUDA KV (``staging_mib``, docs/gpu.md): allocated
+    and registered by this daemon; a request's blocks are copied into its slots and its
+    WRITE goes from there. The worker's own memory is then never registered with NIXL."""
+
+    buffer: MappedBuffer
+    geometry: LandingGeometry
+    layout: Layout  # the buffer as WRITEs read it: the worker's regions, ``slots`` blocks each
+    copier: Copier  # worker blocks -> slots
+    descs: np.ndarray  # Nx3 of every slot of every region, behind ``dlist``
+    dlist: DListHandle
 
 
 @dataclass(eq=False)
@@ -67,6 +81,7 @@ class RankMemory:
     mem_type: str = "DRAM"
     device: Device | None = None
     landing: LandingMemory | None = None
+    staging: StagingMemory | None = None
 
     @property
     def nbytes(self) -> int:
@@ -86,9 +101,10 @@ class RankMemory:
         for b in self.buffers:
             b.close()
         self.buffers.clear()
-        if self.landing is not None:
-            self.landing.copier.close()
-            self.landing.buffer.close()
+        for own in (self.landing, self.staging):
+            if own is not None:
+                own.copier.close()
+                own.buffer.close()
 
 
 @dataclass(eq=False)

@@ -34,6 +34,7 @@ from pushsvc.server.ranks import Rank
 from pushsvc.server.remotes import registration_error
 from pushsvc.server.tasks import TaskSet
 from pushsvc.server.timelines import Timelines
+from pushsvc.server.staging import Staging
 from pushsvc.server.writes import Write, plan_push, post_parts, release_all, release_settled
 from pushsvc.state.layout import check_block_ids
 from pushsvc.state.timeline import SEND
@@ -85,6 +86,12 @@ class Sender:
         self._drain = drain  # reads the rank's queued notifications (a PUSH_REG may wait there)
         self._wake = wake
         self._ranks: dict[Rank, _RankSends] = {}
+        self.staging = Staging(metrics=metrics, current=self._current, ready=self._post,
+                               failed=lambda rank, match, peer, kind, why: self._fail_push(rank, match, peer, kind, why))
+
+    def _current(self, rank: Rank, match: Match) -> bool:
+        state = self._ranks.get(rank)
+        return state is not None and state.table.writing.get(match.request_id) is match
 
     def _of(self, rank: Rank) -> _RankSends:
         state = self._ranks.get(rank)
@@ -288,33 +295,43 @@ class Sender:
             self._write(rank, match, peer)
 
     def _write(self, rank: Rank, match: Match, peer: Peer) -> None:
+        if self.staging.applies(rank):  # copy into staging slots first; _post once copied
+            self.staging.start(rank, match, peer)
+        else:
+            self._post(rank, match, peer, None, "")
+
+    def _post(self, rank: Rank, match: Match, peer: Peer, slot_ids: list[list[int]] | None, staged: str) -> None:
+        """Plan and post ``match``'s WRITE: from the worker's blocks, or (``staged``: the
+        key of its staging slots) from the slots ``slot_ids`` they were copied into."""
         reg = match.registration.reg
         target = peer.agents.get(match.registration.sender)
         memory = rank.memory
         if target is None or memory is None:
+            self.staging.release(rank, staged)
             self._fail_push(rank, match, peer, "layout_mismatch", "D's agent or P's KV memory is gone")
             return
         s = self._settings
         try:
             push = plan_push(memory, rank.remotes.layout(target, memory.layout), match, target, peer.minor,
-                             s.part_bytes, s.verify)
+                             s.part_bytes, s.verify, slot_ids)
         except LayoutError as exc:
+            self.staging.release(rank, staged)
             self._fail_push(rank, match, peer, "layout_mismatch", str(exc))
             return
         # Wall clock, not loop.time(): uvloop caches the loop's time per iteration, and a
         # WRITE over shared memory may complete inside this very call.
         started = time.perf_counter()
-        assert memory.dlist is not None  # plan_push refuses a receive-only memory
-        handles, states, failed = post_parts(rank.agent, memory.dlist, rank.remotes.dlist(target.agent_name),
+        handles, states, failed = post_parts(rank.agent, rank.remotes.dlist(target.agent_name),
                                              target.agent_name, push, reg.request_id, rank.tp_size)
         if not handles:
+            self.staging.release(rank, staged)
             self._fail_push(rank, match, peer, "write_submit_failed", failed)
             return
         now = self._now()
         self._metrics.match_wait_seconds.observe(now - match.staged.staged_at)
         self._metrics.write_parts.inc(len(handles))
         write = Write(match, handles, target.agent_name, push.plan.nbytes, now, started,
-                      failed=("write_submit_failed", failed) if failed else None)
+                      failed=("write_submit_failed", failed) if failed else None, staged=staged)
         self._of(rank).writes[match.request_id] = write
         self._timelines.mark(rank, SEND, match.request_id, "write_posted")
         self._metrics.transfer_blocks.inc(push.plan.logical_blocks)
@@ -345,11 +362,13 @@ class Sender:
             return
         for write in list(state.writes.values()):
             self._settle_parts(rank, write, [rank.agent.state(h) for h in write.handles])
+        self.staging.poll(rank)
 
     def _settle(self, rank: Rank, write: Write) -> None:
         rid = write.match.request_id
         state = self._of(rank)
         del state.writes[rid]
+        self.staging.release(rank, write.staged)  # every part settled: nothing reads the slots
         seconds = time.perf_counter() - write.started
         self._timelines.mark(rank, SEND, rid, "write_settled")
         log.debug("write_settled", request_id=rid, state="ERR" if write.failed else "DONE",
@@ -476,12 +495,13 @@ class Sender:
 
     def busy(self, rank: Rank) -> bool:
         state = self._ranks.get(rank)
-        return state is not None and (bool(state.writes) or state.table.busy)
+        return (state is not None and (bool(state.writes) or state.table.busy)) or self.staging.busy(rank)
 
     def hot(self, rank: Rank, now: float, hot_max_s: float) -> bool:
         """A WRITE from this rank's memory is moving (for at most ``hot_max_s``)."""
         state = self._ranks.get(rank)
-        return state is not None and any(now - w.posted_at < hot_max_s for w in state.writes.values())
+        return (state is not None and any(now - w.posted_at < hot_max_s for w in state.writes.values())
+                or self.staging.hot(rank))
 
     def writes_in_flight(self) -> int:
         return sum(len(s.writes) for s in self._ranks.values())
@@ -494,6 +514,7 @@ class Sender:
     def abandon(self, rank: Rank, reason: str) -> None:
         """The daemon stops with ``rank``'s agent closed: report what is still tracked."""
         state = self._ranks.get(rank)
+        self.staging.abandon(rank)
         for rid in [*state.table.staged, *state.table.writing] if state is not None else ():
             self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason=reason))
 
@@ -503,6 +524,7 @@ class Sender:
         state = self._ranks.pop(rank, None)
         for write in state.writes.values() if state else ():
             release_all(rank.agent, write)
+        self.staging.forget(rank)
 
     def _malformed(self, reason: str, sender: str, exc: Exception) -> None:
         self._metrics.malformed.labels("notification", reason).inc()

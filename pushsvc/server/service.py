@@ -48,7 +48,8 @@ class PushService:
         self.config = config
         self.engine = engine
         self.devmem = devmem
-        self._memory_settings = MemorySettings(landing_bytes=config.landing_mib * MiB)
+        self._memory_settings = MemorySettings(landing_bytes=config.landing_mib * MiB,
+                                               staging_bytes=config.staging_mib * MiB)
         self.metrics = metrics
         self.daemon_id = daemon_id or uuid.uuid4().hex
         self.ranks = RankRegistry()

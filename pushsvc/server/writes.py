@@ -33,6 +33,7 @@ class Write:
     posted_at: float  # loop time
     started: float  # perf_counter() just before the post
     cancelled: bool = False  # D withdrew the registration: acknowledge once settled
+    staged: str = ""  # the key of P's staging slots it reads ("" if none): freed once every part settled
     # Why a part failed (to post, or in NIXL), as (failure kind, reason): the push fails
     # with it once every part settled.
     failed: tuple[str, str] | None = None
@@ -43,24 +44,31 @@ class PushPlan:
     plan: WritePlan
     parts: int
     digests: bytes  # verify mode: P's digests of the source blocks, else b""
+    local: DListHandle  # the source descriptors: the worker's KV, or P's staging buffer
 
 
 def plan_push(memory: RankMemory, remote: Layout, match: Match, target: pp.AgentInfo, peer_minor: int,
-              part_bytes: int, verify: bool) -> PushPlan:
-    """What ``match`` WRITEs from ``memory`` into ``target``; LayoutError if it cannot."""
-    if memory.dlist is None:
+              part_bytes: int, verify: bool, slot_ids: list[list[int]] | None = None) -> PushPlan:
+    """What ``match`` WRITEs into ``target``: from the worker's blocks, or with ``slot_ids``
+    from the staging slots its blocks were copied into. LayoutError if it cannot."""
+    staging = memory.staging if slot_ids is not None else None
+    if staging is not None:
+        layout, descs, local, src_ids = staging.layout, staging.descs, staging.dlist, slot_ids
+    elif memory.dlist is not None:
+        layout, descs, local, src_ids = memory.layout, memory.descs, memory.dlist, match.block_ids
+    else:
         raise LayoutError("this rank's KV memory was registered to receive only")
-    plan = plan_write(memory.layout, remote, match.block_ids, match.registration.reg.local_block_ids)
+    plan = plan_write(layout, remote, src_ids, match.registration.reg.local_block_ids)
     if not len(plan.src_indices):
         raise LayoutError("D's registration names no block of P's layout")
     # A landing D copies each part out as it lands; others get one WRITE.
     parts = parts_for(plan.nbytes, part_bytes, plan.region_count) if (
         target.parts and peer_minor >= pp.PARTS_MINOR) else 1
-    digests = digest_memory(memory.descs, plan.src_indices, memory.vram) if verify else b""
-    return PushPlan(plan, parts, digests)
+    digests = digest_memory(descs, plan.src_indices, memory.vram) if verify else b""
+    return PushPlan(plan, parts, digests, local)
 
 
-def post_parts(agent: Agent, local: DListHandle, remote: DListHandle, remote_agent: str, push: PushPlan,
+def post_parts(agent: Agent, remote: DListHandle, remote_agent: str, push: PushPlan,
                rid: str, tp_size: int) -> tuple[list[XferHandle], list[XferState], str]:
     """Post the WRITE's parts, each with its notification; stop at the first that fails
     to post (those posted land and settle as usual). Returns the handles, their first
@@ -74,7 +82,7 @@ def post_parts(agent: Agent, local: DListHandle, remote: DListHandle, remote_age
             if not len(piece.src_indices):  # D registered no block of these regions' group
                 agent.send_notif(remote_agent, note)
                 continue
-            handle, xstate = agent.write(local, piece.src_indices, remote, piece.dst_indices, note)
+            handle, xstate = agent.write(push.local, piece.src_indices, remote, piece.dst_indices, note)
         except TransferError as exc:
             return handles, states, str(exc)
         handles.append(handle)

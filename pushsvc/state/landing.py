@@ -96,38 +96,52 @@ COPY_ALIGN = 16  # the widest access of the copy kernel, in bytes
 
 @dataclass(frozen=True, slots=True)
 class CopyPlan:
-    """D's landing copy for one rank, as the copy kernel reads it: one entry per worker
-    region, ordered by KV group and then region, each
+    """A copy between a rank's KV and a buffer of the daemon's own, as the copy kernel reads
+    it: one entry per worker region, ordered by KV group and then region, each
 
         ``(src_base, src_stride, src_blocks, dst_base, dst_stride, dst_blocks, nbytes, 0)``
 
-    so that copying physical landing slot ``s`` of an entry into the worker's physical block
-    ``w`` moves ``nbytes`` from ``src_base + s * src_stride`` to ``dst_base + w * dst_stride``
-    (nothing, where ``s >= src_blocks`` or ``w >= dst_blocks``). A part's regions of one group
-    are one run of entries (``span``), so one launch copies them."""
+    D's landing copy (``build``, ``gather`` False) moves physical landing slot ``s`` of an
+    entry into the worker's physical block ``w``: ``nbytes`` from ``src_base + s *
+    src_stride`` to ``dst_base + w * dst_stride``. P's staging copy (``build_staging``,
+    ``gather`` True) moves the worker's block ``w`` into staging slot ``s``: from ``src_base
+    + w * src_stride`` to ``dst_base + s * dst_stride``. Nothing moves for an index out of
+    its side's block count. A part's regions of one group are one run of entries
+    (``span``), so one launch copies them."""
 
     table: np.ndarray  # (regions, COPY_FIELDS) int64
     region_of: np.ndarray  # the worker region of each entry
     group_of: np.ndarray  # the KV group of each entry
     groups: int
-    slots: int  # physical landing slots per region
+    slots: int  # physical slots per region of the daemon's buffer
     width: int  # bytes that divide every address, stride and length (at most COPY_ALIGN)
+    gather: bool = False  # True: worker -> staging slots (P); False: landing slots -> worker (D)
 
     @classmethod
     def build(cls, worker: Layout, landing: Layout) -> CopyPlan:
         """The copy from ``landing`` (``LandingGeometry.layout``) into ``worker``, region by region."""
-        if len(worker.regions) != len(landing.regions):
-            raise LayoutError("the landing layout does not match the worker's regions")
+        return cls._build(worker, landing, gather=False)
+
+    @classmethod
+    def build_staging(cls, worker: Layout, staging: Layout) -> CopyPlan:
+        """The copy from ``worker`` into ``staging`` (``LandingGeometry.layout`` of P's KV)."""
+        return cls._build(worker, staging, gather=True)
+
+    @classmethod
+    def _build(cls, worker: Layout, own: Layout, gather: bool) -> CopyPlan:
+        if len(worker.regions) != len(own.regions):
+            raise LayoutError("the buffer's layout does not match the worker's regions")
         order = sorted(range(len(worker.regions)), key=lambda i: (worker.regions[i].group, i))
         table = np.zeros((len(order), COPY_FIELDS), dtype=np.int64)
         width = COPY_ALIGN
         for row, i in enumerate(order):
-            w, l = worker.regions[i], landing.regions[i]
-            table[row, :7] = (l.base, l.stride, l.num_blocks, w.base, w.stride, w.num_blocks, w.block_len)
-            width = math.gcd(width, l.base, l.stride, w.base, w.stride, w.block_len)
+            w, o = worker.regions[i], own.regions[i]
+            src, dst = (w, o) if gather else (o, w)
+            table[row, :7] = (src.base, src.stride, src.num_blocks, dst.base, dst.stride, dst.num_blocks, w.block_len)
+            width = math.gcd(width, o.base, o.stride, w.base, w.stride, w.block_len)
         group_of = np.array([worker.regions[i].group for i in order], dtype=np.int64)
-        slots = min((r.num_blocks for r in landing.regions), default=0)
-        return cls(table, np.array(order, dtype=np.int64), group_of, worker.groups, slots, width)
+        slots = min((r.num_blocks for r in own.regions), default=0)
+        return cls(table, np.array(order, dtype=np.int64), group_of, worker.groups, slots, width, gather)
 
     def span(self, regions: range, group: int) -> tuple[int, int]:
         """(first entry, entries) of ``regions`` that are in ``group``: one contiguous run."""
@@ -147,6 +161,8 @@ def copy_ranges(plan: CopyPlan, first: int, count: int, slots: np.ndarray,
     t = plan.table[first:first + count]
     s = np.asarray(slots, dtype=np.int64)[:, None]
     w = np.asarray(blocks, dtype=np.int64)[:, None]
+    if plan.gather:  # the worker's block is the source, the slot the destination
+        s, w = w, s
     keep = ((s >= 0) & (s < t[None, :, 2]) & (w >= 0) & (w < t[None, :, 5])).reshape(-1)
     src = (t[None, :, 0] + s * t[None, :, 1]).reshape(-1)
     dst = (t[None, :, 3] + w * t[None, :, 4]).reshape(-1)
@@ -164,10 +180,11 @@ def check_pairs(plan: CopyPlan, first: int, count: int, slots: np.ndarray, block
     if first < 0 or first + count > len(plan.table):
         return f"copy entries {first}..{first + count - 1} of {len(plan.table)}"
     t = plan.table[first:first + count]
-    if slots[0] < 0 or np.any(np.diff(slots) != 1) or slots[-1] >= t[:, 2].min():
-        return "landing slots are not one run inside the buffer"
-    if blocks.min() < 0 or blocks.max() >= t[:, 5].min():
-        return f"block {int(blocks.max())} outside the worker's KV ({int(t[:, 5].min())} blocks)"
+    own, worker = (t[:, 5], t[:, 2]) if plan.gather else (t[:, 2], t[:, 5])
+    if slots[0] < 0 or np.any(np.diff(slots) != 1) or slots[-1] >= own.min():
+        return "slots are not one run inside the buffer"
+    if blocks.min() < 0 or blocks.max() >= worker.min():
+        return f"block {int(blocks.max())} outside the worker's KV ({int(worker.min())} blocks)"
     return ""
 
 

@@ -33,25 +33,30 @@ def _worker(base: int, layers: int, blocks: int, block_len: int, groups: int, bp
 
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("groups,bpl", [(1, 1), (2, 2)])
-def test_each_width_copies_exactly_what_the_plan_says(device, width, groups, bpl) -> None:
-    rng = np.random.default_rng(width * 10 + groups)
+@pytest.mark.parametrize("gather", [False, True], ids=["landing", "staging"])
+def test_each_width_copies_exactly_what_the_plan_says(device, width, groups, bpl, gather) -> None:
+    rng = np.random.default_rng(width * 10 + groups + gather)
     blocks, block_len = 24, 48 * width
     pad = width if width < 16 else 0  # misaligned enough to force this width
     span = 2 * 3 * blocks * bpl * (block_len + pad) + 8 * pad + 4096
     worker_mem = device.allocate(span)
     probe = _worker(worker_mem.address + pad, 3, blocks, block_len, groups, bpl, pad)
     geometry = LandingGeometry.build(probe, 10 * probe.bytes_per_logical_block)
-    landing_mem = device.allocate(geometry.nbytes + 64)
+    own_mem = device.allocate(geometry.nbytes + 64)
     try:
-        landing = geometry.layout(landing_mem.address + pad)
-        plan = CopyPlan.build(probe, landing)
-        assert plan.width == width
-        before = rng.integers(0, 256, span, dtype=np.uint8)
-        landed = rng.integers(0, 256, geometry.nbytes + 64, dtype=np.uint8)
-        device.driver.upload(worker_mem.address, before.ctypes.data, span)
-        device.driver.upload(landing_mem.address, landed.ctypes.data, landed.nbytes)
-        copier = device.landing_copier(plan)
-        expected = before.copy()
+        own = geometry.layout(own_mem.address + pad)
+        plan = CopyPlan.build_staging(probe, own) if gather else CopyPlan.build(probe, own)
+        assert plan.width == width and plan.gather is gather
+        worker_bytes = rng.integers(0, 256, span, dtype=np.uint8)
+        own_bytes = rng.integers(0, 256, geometry.nbytes + 64, dtype=np.uint8)
+        device.driver.upload(worker_mem.address, worker_bytes.ctypes.data, span)
+        device.driver.upload(own_mem.address, own_bytes.ctypes.data, own_bytes.nbytes)
+        # landing: own slots -> worker blocks; staging: worker blocks -> own slots
+        (src_mem, src_bytes), (dst_mem, dst_bytes) = (
+            ((worker_mem, worker_bytes), (own_mem, own_bytes)) if gather else
+            ((own_mem, own_bytes), (worker_mem, worker_bytes)))
+        copier = device.copier(plan)
+        expected = dst_bytes.copy()
         jobs = []
         for g in range(groups):
             ids = rng.choice(blocks, 6, replace=False)
@@ -62,18 +67,17 @@ def test_each_width_copies_exactly_what_the_plan_says(device, width, groups, bpl
                 if count:
                     jobs.append(copier.gather(g, first, count, slots, phys))
                     for src, dst, n in zip(*copy_ranges(plan, first, count, slots, phys)):
-                        s, d = src - landing_mem.address, dst - worker_mem.address
-                        expected[d:d + n] = landed[s:s + n]
+                        s, d = src - src_mem.address, dst - dst_mem.address
+                        expected[d:d + n] = src_bytes[s:s + n]
         deadline = time.monotonic() + 10
         while not all(j.done() for j in jobs) and time.monotonic() < deadline:
             time.sleep(0.001)
-        got = np.frombuffer(device.read(worker_mem.address, span), dtype=np.uint8)
-        changed = int(np.count_nonzero(got != before))
-        assert changed > 0
+        got = np.frombuffer(device.read(dst_mem.address, dst_mem.size), dtype=np.uint8)
+        assert int(np.count_nonzero(got != dst_bytes)) > 0
         assert np.array_equal(got, expected), f"{int(np.count_nonzero(got != expected))} bytes differ"
         copier.close()
     finally:
-        landing_mem.close()
+        own_mem.close()
         worker_mem.close()
 
 
@@ -89,7 +93,7 @@ def test_large_copies_are_fast_and_exact(device) -> None:
         plan = CopyPlan.build(layout, geometry.layout(landing_mem.address))
         pattern = np.arange(geometry.nbytes // 8, dtype=np.int64)
         device.driver.upload(landing_mem.address, pattern.ctypes.data, geometry.nbytes)
-        copier = device.landing_copier(plan)
+        copier = device.copier(plan)
         ids = np.random.default_rng(1).permutation(blocks)
         copier.gather(0, 0, regions, np.arange(blocks), ids).wait()  # warm
         t0 = time.perf_counter()

@@ -89,6 +89,27 @@ def test_pushed_bytes_land_at_the_mapped_blocks_only(spawn: Spawner, layout: str
     assert d_daemon.metric("pushsvc_landing_slots", state="used") == 0
 
 
+@pytest.mark.parametrize("layout", ["flash", "mla"])
+def test_pushes_from_p_staging_land_exactly_and_with_verify(spawn: Spawner, layout: str) -> None:
+    """P's staging (staging_mib): blocks copied into P's own buffer, WRITEs from there; the
+    worker's KV is never registered with NIXL; verify covers both copies."""
+    p_daemon = spawn.daemon("prefill", "--write-part-mib", "4", "--staging-mib", "512", "--verify")
+    d_daemon = spawn.daemon("decode", "--landing-mib", "512", "--verify")
+    p = spawn.worker(p_daemon, "producer", layout=layout, layers=LAYERS, blocks=P_BLOCKS, seed=5)
+    d = spawn.worker(d_daemon, "consumer", layout=layout, layers=LAYERS, blocks=D_BLOCKS, seed=6)
+    _push_and_check(p, d, p_daemon, _plan(random.Random(f"staging-{layout}"), 6))
+    assert p_daemon.metric("pushsvc_staging_copies_total") >= 6
+    assert d_daemon.metric("pushsvc_verify_total", result="identical") == 6
+    info = p_daemon.live_info()
+    staging = sum(a["staging_bytes"] for a in info["agents"])
+    slots = info["gpu"]["staging_slots"]
+    assert slots["used"] == 0 and slots["total"] > 0, info
+    # As many whole blocks as fit in 512 MiB (an MLA block does not divide it), the copier's
+    # tables (under 1 MiB) on top, all of it accounted for.
+    assert info["gpu"]["allocated"] == staging, info
+    assert (512 << 20) - staging // slots["total"] < staging < (512 << 20) + (1 << 20), info
+
+
 def test_verify_mode_digests_device_blocks(spawn: Spawner) -> None:
     p_daemon = spawn.daemon("prefill", "--verify")
     d_daemon = spawn.daemon("decode", "--verify", "--landing-mib", "256")

@@ -122,6 +122,40 @@ def test_copies_put_every_landed_block_where_a_direct_write_would(groups, bpl, b
     assert space == expected
 
 
+@pytest.mark.parametrize("groups,bpl", [(1, 1), (2, 2)])
+def test_a_write_from_staging_sends_the_bytes_a_write_from_the_worker_would(groups, bpl) -> None:
+    """P's staging copy (worker blocks -> slots), then a WRITE planned from the slots: the
+    same source bytes, in the same order, as a WRITE planned from the worker's blocks."""
+    worker = worker_layout(layers=3, blocks=12, block_len=64, groups=groups, bpl=bpl, gap=64 * 5)
+    origin = min(r.base for r in worker.regions)
+    geometry = LandingGeometry.build(worker, 8 * worker.bytes_per_logical_block)
+    staging = geometry.layout(0)
+    plan = CopyPlan.build_staging(worker, staging)
+    rng = np.random.default_rng(3)
+    span = max(r.base + r.num_blocks * r.stride for r in worker.regions) - origin
+    kv = rng.integers(0, 256, span, dtype=np.uint8).tobytes()
+    buf = bytearray(geometry.nbytes)
+    ids = [[9, 2, 5], [1, 7]][:groups]
+    starts = [4, 0][:groups]
+    for g, g_ids in enumerate(ids):
+        first, count = plan.span(range(len(worker.regions)), g)
+        slots = physical_blocks(range(starts[g], starts[g] + len(g_ids)), bpl)
+        blocks = physical_blocks(g_ids, bpl)
+        assert check_pairs(plan, first, count, slots, blocks) == ""
+        for src, dst, n in zip(*copy_ranges(plan, first, count, slots, blocks)):
+            buf[dst:dst + n] = kv[src - origin:src - origin + n]
+    remote = Layout(tuple(RegionSpec(r.base, r.block_len, 64 * bpl, r.block_len, r.group) for r in worker.regions),
+                    bpl)
+    dst_ids = [list(range(len(g))) for g in ids]
+    slot_ids = [list(range(st, st + len(g))) for st, g in zip(starts, ids)]
+    staged, direct = plan_write(staging, remote, slot_ids, dst_ids), plan_write(worker, remote, ids, dst_ids)
+    assert list(staged.dst_indices) == list(direct.dst_indices)
+    s_table, w_table = descriptor_table(staging), descriptor_table(worker)
+    for si, wi in zip(staged.src_indices, direct.src_indices):
+        (sa, sl, _), (wa, wl, _) = (tuple(int(x) for x in s_table[si]), tuple(int(x) for x in w_table[wi]))
+        assert sl == wl and bytes(buf[sa:sa + sl]) == kv[wa - origin:wa - origin + wl]
+
+
 def test_copy_width_is_the_widest_access_every_address_allows() -> None:
     worker = Layout((RegionSpec(1 << 20, 4096, 10, 8192, 0), RegionSpec((1 << 20) + 4096, 4096, 10, 8192, 0)))
     assert CopyPlan.build(worker, LandingGeometry.build(worker, MiB).layout(1 << 30)).width == 16
