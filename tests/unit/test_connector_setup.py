@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 from vllm.config import KVTransferConfig, ParallelConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from pushsvc_connector import PushsvcConnector
@@ -32,6 +33,18 @@ def test_pipeline_and_data_parallelism_are_refused_at_construction(setting, role
 def test_the_checked_settings_are_vllms_parallel_config_fields() -> None:
     fields = ParallelConfig.__dataclass_fields__
     assert "pipeline_parallel_size" in fields and "data_parallel_size" in fields
+
+
+def test_vllm_loads_a_connector_that_refuses_sleep_mode_and_hybrid_kv_caches() -> None:
+    """What vLLM asks the class it loads by module path: 0.33 refuses --enable-sleep-mode
+    when supports_sleep_mode is False (the daemon keeps writing into the registered KV
+    pages, which sleep frees), and both versions turn the hybrid KV-cache manager off for
+    a connector that is not SupportsHMA."""
+    kv = _vllm_config().kv_transfer_config
+    cls = KVConnectorFactory.get_connector_class(kv)
+    assert cls is PushsvcConnector
+    assert cls.supports_sleep_mode(kv) is False
+    assert not KVConnectorFactory.supports_hma_config(kv)
 
 
 def test_scheduler_role_reports_its_counters_and_builds_the_stats_vllm_sums() -> None:
