@@ -22,6 +22,10 @@ from typing import Callable
 VLLM_ENV = {
     # KV cache memory per vLLM CPU server (GiB): small, several servers share the host.
     "VLLM_CPU_KVCACHE_SPACE": "1",
+    # vLLM compiles one logprobs helper with torch.compile (Inductor) on an engine's first
+    # logprobs request, --enforce-eager or not: 13-36 s on this host, while the request (and
+    # the D waiting for its KV) waits (docs/routers.md). Every server here runs eagerly.
+    "TORCH_COMPILE_DISABLE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
 

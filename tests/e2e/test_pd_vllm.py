@@ -280,7 +280,7 @@ def test_d_rejection_releases_p_at_once(pd: PD, tokenizer: Any) -> None:
     """D's serving layer refuses a request P already computed (min_tokens > max_tokens: the
     proxy drops min_tokens from P's leg only): P's blocks are released at once, not at the lease.
     The legs go one after the other, as a front that forwards P's returned kv_transfer_params
-    to D does (vllm-router): D's leg carries the match key P minted."""
+    to D does: D's leg carries the match key P minted."""
     idle = _idle_kv(pd)
     rid = _rid("rejected")
     req = completion("rejected", pd.model, text_with_tokens(tokenizer, 500, seed=6003))
