@@ -1,4 +1,4 @@
-"""``pushsvc`` command line: serve, status, demo.
+"""``pushsvc`` command line: serve, status, config check, proxy, demo.
 
 This is the edge where configuration is built (file, env, flags); everything below
 receives a ``Config``. Invalid configuration exits with status 2 and names the field.
@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
-from typing import Sequence
+from typing import Any, Sequence
 
-from pushsvc.config import Config, load_config, to_dict
+import msgspec
+
+from pushsvc.config import ENV_CONFIG_PATH, ENV_PREFIX, Config, load_config, to_dict
 from pushsvc.errors import ConfigError
 
 EXIT_CONFIG = 2
+EXIT_NOT_READY = 3  # `pushsvc status`: reachable but /readyz says 503
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -108,11 +112,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _proxy_parser(sub)
-    st = sub.add_parser("status", help="print a daemon's /v1/info, /readyz and table sizes")
+    st = sub.add_parser("status", help="print a daemon's /v1/info, /readyz and table sizes",
+                        description="Exit status: 0 ready, 3 reachable but not ready, 1 unreachable.")
     st.add_argument("--url", default="http://127.0.0.1:8471", help="daemon health endpoint")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--token-file", dest="token_file",
+                    help="the daemon's health_token_file, needed for /v1/info when the daemon has one")
+    st.add_argument("--json", action="store_true", help='{"info": /v1/info, "ready": /readyz} instead of tables')
+    _config_parser(sub)
     _demo_parser(sub)
     return parser
+
+
+def _config_parser(sub: argparse._SubParsersAction) -> None:
+    cfg = sub.add_parser("config", help="work with configuration files")
+    actions = cfg.add_subparsers(dest="config_command", required=True)
+    check = actions.add_parser(
+        "check", help="validate a TOML configuration as the daemon would load it",
+        description="Loads FILE with the daemon's loader, PUSHSVC_* variables of this environment included, "
+                    "and prints the effective configuration and every problem found. Exit 0 if valid, "
+                    "2 if not (what `pushsvc serve` would exit with). Secret files are checked (owner, mode, "
+                    "length) but never printed: run it as the daemon's user.")
+    check.add_argument("file", help="TOML configuration file")
+    check.add_argument("--json", action="store_true",
+                       help='{"valid", "config", "problems": [{"field", "message"}], "env"}')
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -140,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "config":
+        return _config_check(args)
     if args.command == "proxy":
         return _proxy(args)
     if args.command == "demo":
@@ -180,10 +204,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _run_daemon(config: Config, ready_file: str | None) -> int:
+    from pushsvc.sdnotify import Notifier
     from pushsvc.server.daemon import Daemon
 
     try:
-        daemon = Daemon(config)
+        # systemd's $NOTIFY_SOCKET and $WATCHDOG_USEC, read here at the edge like the config.
+        daemon = Daemon(config, notifier=Notifier.from_env())
     except ConfigError as exc:  # the secret file changed after the config was loaded
         print(f"pushsvc: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -230,28 +256,129 @@ def _write_atomic(path: str, text: str) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     base = args.url.rstrip("/")
-    try:
-        with urllib.request.urlopen(f"{base}/v1/info", timeout=5) as r:
-            info = json.load(r)
+    headers = {}
+    if args.token_file:
+        from pushsvc.config import read_secret_file
+
         try:
-            with urllib.request.urlopen(f"{base}/readyz", timeout=5) as r:
-                ready = json.load(r)
+            token = read_secret_file(args.token_file, "token_file")
+        except ConfigError as exc:
+            print(f"pushsvc: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        headers["Authorization"] = "Bearer " + token.decode("latin-1")
+    try:
+        info = _get_json(f"{base}/v1/info", headers)
+        try:
+            ready = _get_json(f"{base}/readyz", {})
         except urllib.error.HTTPError as exc:
             ready = json.load(exc)
     except (OSError, ValueError) as exc:
         print(f"pushsvc: cannot reach daemon at {base}: {exc}", file=sys.stderr)
         return 1
+    code = 0 if ready.get("ready") else EXIT_NOT_READY
     if args.json:
         print(json.dumps({"info": info, "ready": ready}, indent=2))
-        return 0 if ready.get("ready") else 3
-    print(f"engine     {info['engine_id']}  (daemon {info['daemon_id'][:8]}, up {info['uptime_s']:.0f}s)")
-    print(f"ready      {ready.get('ready')}")
-    print(f"socket     {info['socket_path']}")
-    print(f"side chan  {info['side_channel_host']}:{info['side_channel_port']}")
-    for a in info["agents"]:
-        print(f"agent      rank {a['rank']}/{a['tp_size']} {a['role']:<8} {a['agent']} "
-              f"registered={a['registered']} worker={a['worker_connected']}")
-    for p in info["peers"]:
-        print(f"peer       {p['engine_id']} at {p['host']}:{p['port']} ({len(p['agents'])} agents)")
-    print("tables     " + "  ".join(f"{k}={v}" for k, v in info["tables"].items()))
-    return 0 if ready.get("ready") else 3
+    else:
+        print(format_status(info, ready))
+    return code
+
+
+def _get_json(url: str, headers: dict[str, str]) -> Any:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
+        return json.load(r)
+
+
+def format_status(info: dict[str, Any], ready: dict[str, Any]) -> str:
+    """``pushsvc status`` for a person: a summary, then one table per kind of thing."""
+    checks = "  ".join(f"{k}={v}" for k, v in ready.items() if k != "ready")
+    lines = [
+        f"engine     {info['engine_id']}  (daemon {info['daemon_id'][:8]}, version {info.get('version', '?')}, "
+        f"up {info['uptime_s']:.0f}s)",
+        f"ready      {'yes' if ready.get('ready') else 'NO'}  ({checks})",
+        f"socket     {info['socket_path']}",
+        f"side chan  {info['side_channel_host']}:{info['side_channel_port']}",
+        f"open fds   {info.get('open_fds', '?')}",
+        "",
+    ]
+    lines += _table(("rank", "role", "agent", "registered", "worker", "memory", "landing slots"), [
+        (f"{a['rank']}/{a['tp_size']}", a["role"], a["agent"], _yes(a["registered"]), _yes(a["worker_connected"]),
+         a.get("mem_type") or "-", a.get("landing_slots", 0))
+        for a in info["agents"]], empty="no ranks: no worker has said hello")
+    lines.append("")
+    lines += _table(("peer", "daemon", "address", "authenticated", "agents"), [
+        (p["engine_id"], p["daemon_id"][:8], f"{p['host']}:{p['port']}", _yes(p.get("authenticated")),
+         len(p["agents"])) for p in info["peers"]], empty="no peers")
+    lines.append("")
+    lines += _table(("tables", "entries"), list(info["tables"].items()))
+    handles = info.get("nixl_handles") or {}
+    if handles:
+        lines += ["", "nixl handles  " + "  ".join(f"{k}={v}" for k, v in handles.items())]
+    return "\n".join(lines)
+
+
+def _yes(value: object) -> str:
+    return "yes" if value else "no"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], empty: str = "") -> list[str]:
+    if not rows and empty:
+        return [f"({empty})"]
+    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+
+
+# ---------------------------------------------------------------- config check
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    env = {k: v for k, v in os.environ.items() if k != ENV_CONFIG_PATH}
+    config, problems = check_config(args.file, env)
+    used_env = sorted(k for k in env if k.startswith(ENV_PREFIX))
+    if args.json:
+        print(json.dumps({"valid": not problems, "config": to_dict(config) if config else None,
+                          "problems": [{"field": p.field, "message": p.message} for p in problems],
+                          "env": used_env}, indent=2))
+        return EXIT_CONFIG if problems else 0
+    if config is not None:
+        note = "" if not problems else "  (invalid fields shown at their defaults)"
+        print(f"# effective configuration of {args.file}{note}")
+        for var in used_env:
+            print(f"# from the environment: {var}")
+        # Unset, engine_id is drawn anew at every load, so a second load tells.
+        random_id = check_config(args.file, env)[0] not in (None, config) and not problems
+        for key, value in to_dict(config).items():
+            note = "  # not set: a new random id at every start; vLLM's engine_id must equal it" \
+                if key == "engine_id" and random_id else ""
+            print(f"{key} = {json.dumps(value)}{note}")
+    else:
+        print(f"# {args.file} does not load until the problems below are fixed: no effective configuration")
+    if problems:
+        print(f"\n{len(problems)} problem{'s' if len(problems) > 1 else ''}:")
+        for p in problems:
+            print(f"  {p.field}: {p.message}")
+        return EXIT_CONFIG
+    print("\nvalid: no problems found")
+    return 0
+
+
+def check_config(path: str, env: dict[str, str]) -> tuple[Config | None, list[ConfigError]]:
+    """Load ``path`` as ``pushsvc serve --config`` would, and keep looking past the first
+    problem: the loader stops at the first invalid field, so each one found is set back to
+    its default and the file is loaded again, until it loads or a problem cannot be set
+    aside (a TOML syntax error, an unknown key, a field whose default fails too). Returns the config
+    it last loaded (None if none) and the problems, first found first."""
+    defaults = {f.name: f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+                for f in msgspec.structs.fields(Config)}
+    overrides: dict[str, object] = {}
+    problems: list[ConfigError] = []
+    while True:
+        try:
+            return load_config(path, env=env, overrides=overrides), problems
+        except ConfigError as exc:
+            if exc.field in overrides:  # its default is no better: a consequence, not news
+                return None, problems
+            problems.append(exc)
+            if exc.field not in defaults:
+                return None, problems
+            overrides[exc.field] = defaults[exc.field]

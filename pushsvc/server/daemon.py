@@ -27,6 +27,7 @@ from pushsvc.devmem.load import load_device_memory
 from pushsvc.engine.base import Engine
 from pushsvc.metrics import Metrics
 from pushsvc.peer_hosts import is_loopback_host
+from pushsvc.sdnotify import Notifier
 from pushsvc.server.health import HealthServer
 from pushsvc.server.progress import ProgressLoop
 from pushsvc.server.rundir import prepare_runtime_dir, prepare_socket_dir
@@ -39,8 +40,11 @@ _FD_LIMIT_CAP = 1 << 20
 
 
 class Daemon:
-    def __init__(self, config: Config, engine: Engine | None = None, devmem: DeviceMemory | None = None) -> None:
+    def __init__(self, config: Config, engine: Engine | None = None, devmem: DeviceMemory | None = None,
+                 notifier: Notifier | None = None) -> None:
         self.config = config
+        # systemd's notify socket (pushsvc/sdnotify.py); inert unless the command line found one.
+        self.notifier = notifier if notifier is not None else Notifier()
         if engine is None:
             from pushsvc.engine.nixl import NixlEngine
 
@@ -74,6 +78,7 @@ class Daemon:
         self.stopped = False
         self._started_at = time.time()
         self._progress_task: asyncio.Task | None = None
+        self._notify_task: asyncio.Task | None = None
         self._exit = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -96,6 +101,10 @@ class Daemon:
         log.info("daemon_started", engine_id=self.config.engine_id, daemon_id=self.daemon_id[:8],
                  socket=self.config.socket_path, side_channel=f"{self.config.advertised_host}:{self.service.peers.port}",
                  health=f"{self.config.health_host}:{self.health.port}", version=__version__)
+        # READY=1 now if /readyz answers 200 now; else the notifier's next update sends it.
+        self.notifier.update(*self.service_status())
+        self._notify_task = asyncio.get_running_loop().create_task(
+            self.notifier.run(self.service_status), name="pushsvc-sdnotify")
 
     async def main_loop(self) -> None:
         await self._exit.wait()
@@ -111,6 +120,7 @@ class Daemon:
             return
         self.stopped = True
         log.info("daemon_stopping", force=self.force_exit)
+        self.notifier.stopping(self.service_status()[1])
         self.workers.stop_listening()
         self.service.draining = True  # new registrations and sends are refused from here
         loop = asyncio.get_running_loop()
@@ -129,6 +139,11 @@ class Daemon:
             self.devmem.close()
         self.workers.close()
         await self.health.close()
+        # Watchdog pings last until here: a drain that hangs the loop is a hang too.
+        if self._notify_task is not None:
+            self._notify_task.cancel()
+            await asyncio.gather(self._notify_task, return_exceptions=True)
+        self.notifier.close()
         log.info("daemon_stopped")
 
     async def serve(self, install_signals: bool = True) -> None:
@@ -170,6 +185,15 @@ class Daemon:
                  and checks["agents_registered"] == checks["agents"])
         return ready, checks
 
+    def service_status(self) -> tuple[bool, str]:
+        """Readiness and the one line ``systemctl status`` shows for it."""
+        ready, checks = self.readiness()
+        state = "draining" if self.should_exit or self.stopped else "ready" if ready else "not ready"
+        workers = sum(1 for r in self.service.ranks.current.values() if r.conn is not None)
+        return ready, (f"{state}: {checks['agents_registered']}/{checks['agents']} ranks registered, "
+                       f"{workers} workers connected, {len(self.service.peers.peers)} peers, "
+                       f"{self.service.writes_in_flight()} WRITEs in flight")
+
     def info(self) -> dict[str, Any]:
         return {
             "version": __version__,
@@ -184,6 +208,8 @@ class Daemon:
                 {"rank": r.number, "tp_size": r.tp_size, "role": r.role, "agent": r.agent.name,
                  "registered": r.ready, "worker_connected": r.conn is not None,
                  "mem_type": r.memory.mem_type if r.memory else None,
+                 "regions": len(r.memory.layout.regions) if r.memory else 0,
+                 "kv_groups": r.memory.layout.groups if r.memory else 0,
                  "landing_slots": r.memory.landing.geometry.slots if r.memory and r.memory.landing else 0,
                  "landing_bytes": r.memory.landing.buffer.size + r.memory.landing.copier.nbytes
                  if r.memory and r.memory.landing else 0,

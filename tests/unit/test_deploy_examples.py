@@ -104,3 +104,16 @@ def test_sidecar_gives_the_daemon_a_private_0400_copy_of_the_secret() -> None:
     assert volumes[volume]["emptyDir"]["medium"] == "Memory"
     secret_volumes = {name for name, v in volumes.items() if "secret" in v} | {volume}
     assert not secret_volumes & {m["name"] for m in vllm["volumeMounts"]}  # vLLM never sees it
+
+
+def test_sidecar_points_vllms_connector_at_the_daemons_socket() -> None:
+    """The connector reads ``daemon_socket`` (connector.py) and must find the socket the
+    daemon container listens on: a misnamed key left vLLM's workers without a daemon."""
+    import json
+
+    pod = _sidecar()
+    args = _container(pod, "vllm")["args"]
+    config = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert config["kv_connector"] == "PushsvcConnector" and config["kv_connector_module_path"] == "pushsvc_connector"
+    daemon_env = {v["name"]: v.get("value") for v in _container(pod, "pushsvc")["env"]}
+    assert config["kv_connector_extra_config"] == {"daemon_socket": daemon_env["PUSHSVC_SOCKET_PATH"]}
