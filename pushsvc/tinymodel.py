@@ -1,5 +1,9 @@
 """A tiny random-weight Llama model, made locally, for end-to-end vLLM runs without a model hub.
 
+``family="gemma3"`` makes a Gemma-3 text model instead (``Gemma3ForCausalLM``): layers of
+sliding-window attention with a full-attention layer every third, which vLLM's hybrid
+KV-cache manager serves with several KV-cache groups (the hybrid KV tests use it).
+
 ``ensure_tiny_model(path)`` writes a directory that vLLM (CPU) and HF transformers both load:
 ``config.json`` (LlamaForCausalLM, bf16), ``model.safetensors`` (seeded random init) and a
 byte-level BPE tokenizer trained here by ``tokenizers`` on generated English-ish text, with a
@@ -112,6 +116,34 @@ def _model_config(layers: int, hidden: int, heads: int, kv_heads: int, vocab: in
     }
 
 
+def _gemma3_config(layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, window: int) -> dict:
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": hidden // heads,
+        "sliding_window": window,
+        "layer_types": ["full_attention" if (n + 1) % 3 == 0 else "sliding_attention" for n in range(layers)],
+        "attention_bias": False, "tie_word_embeddings": True, "vocab_size": vocab,
+        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1,
+        "torch_dtype": "bfloat16", "dtype": "bfloat16", "initializer_range": 0.02, "use_cache": True,
+    }
+
+
+def _write_gemma3_weights(out: Path, cfg: dict, seed: int) -> None:
+    """Transformers' own random init of the architecture (seeded), saved without the
+    lm_head, which Gemma-3 ties to the embeddings."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _write_weights(out: Path, cfg: dict, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
@@ -157,6 +189,8 @@ def ensure_tiny_model(
     kv_heads: int = 4,
     vocab: int = 4096,
     seed: int = 0,
+    family: str = "llama",
+    window: int = 128,
 ) -> str:
     """Make the tiny model at ``path`` unless a complete one is there; return ``path``.
 
@@ -165,8 +199,11 @@ def ensure_tiny_model(
     """
     if hidden % heads or heads % kv_heads:
         raise ValueError("hidden must divide by heads, and heads by kv_heads")
+    if family not in ("llama", "gemma3"):
+        raise ValueError(f"unknown model family {family!r} (llama, gemma3)")
     dest = Path(path)
-    cfg = _model_config(layers, hidden, heads, kv_heads, vocab)
+    cfg = (_gemma3_config(layers, hidden, heads, kv_heads, vocab, window) if family == "gemma3"
+           else _model_config(layers, hidden, heads, kv_heads, vocab))
 
     def check_existing() -> str:
         have = json.loads((dest / "config.json").read_text())
@@ -184,7 +221,7 @@ def ensure_tiny_model(
         gen_cfg = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
         _write_tokenizer(tmp, vocab, seed)
-        _write_weights(tmp, cfg, seed)
+        (_write_gemma3_weights if family == "gemma3" else _write_weights)(tmp, cfg, seed)
         for f in tmp.iterdir():  # safetensors writes 0600; mkdtemp makes 0700
             f.chmod(0o644)
         tmp.chmod(0o755)
@@ -206,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {"layers": 8, "hidden": 256, "heads": 4, "kv_heads": 4, "vocab": 4096, "seed": 0}
     for name, default in sizes.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    ap.add_argument("--family", choices=["llama", "gemma3"], default="llama")
+    ap.add_argument("--window", type=int, default=128, help="gemma3: sliding window in tokens")
     args = vars(ap.parse_args(argv))
     print(ensure_tiny_model(args.pop("path"), **args))
     return 0

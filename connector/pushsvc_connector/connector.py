@@ -11,6 +11,11 @@ Configuration (``kv_connector_extra_config``):
 * ``idle_wait_ms``: on a step with nothing scheduled and transfers pending, how long
   the worker may wait for a daemon event before returning (default 10 ms).
 
+Hybrid models: the connector is ``SupportsHMA``, so vLLM keeps its hybrid KV-cache manager
+on; ``transfer_groups`` says which groups a transfer carries and how many trailing blocks
+of a sliding-window group (``groups.py``). Group kinds other than full attention and
+sliding window (Mamba state, chunked local attention) are refused at construction.
+
 Supported parallelism: tensor parallelism only. One daemon serves the TP ranks of one
 vLLM instance; pipeline stages or data-parallel replicas would bring several workers
 with the same TP rank, which the daemon refuses, so construction refuses them first.
@@ -25,9 +30,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from pushsvc_connector.coordinates import DaemonCoordinates
+from pushsvc_connector.groups import TransferGroups
 from pushsvc_connector.kvshare import share_kv
 from pushsvc_connector.metadata import PushsvcMetadata
 from pushsvc_connector.scheduler import PushScheduler
@@ -55,10 +63,11 @@ DEFAULT_BACKSTOP_S = 180.0
 _UNSUPPORTED_PARALLELISM = ("pipeline_parallel_size", "data_parallel_size")
 
 
-class PushsvcConnector(KVConnectorBase_V1):
+class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         check_parallelism(vllm_config.parallel_config)
+        self._groups = transfer_groups(kv_cache_config)
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
@@ -69,7 +78,8 @@ class PushsvcConnector(KVConnectorBase_V1):
                 self._coords = DaemonCoordinates(socket_path, vllm_config.parallel_config.tensor_parallel_size)
             self._scheduler = PushScheduler(watchdog_s=float(extra.get("watchdog_s", DEFAULT_BACKSTOP_S)),
                                             lease_s=float(extra.get("lease_s", DEFAULT_BACKSTOP_S)),
-                                            coordinates=self._coords.get if self._coords else lambda: None)
+                                            coordinates=self._coords.get if self._coords else lambda: None,
+                                            groups=self._groups)
             return
         socket_path = extra.get("daemon_socket")
         if not socket_path:
@@ -100,7 +110,7 @@ class PushsvcConnector(KVConnectorBase_V1):
         # Raises DaemonRefused when the daemon refuses this worker (vLLM then fails to
         # start, with the daemon's reason); a daemon not there yet is retried later.
         assert self._worker is not None
-        self._worker.register(share_kv(kv_caches, self._kv_cache_config.num_blocks))
+        self._worker.register(share_kv(kv_caches, self._kv_cache_config.num_blocks, self._groups))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
@@ -135,6 +145,10 @@ class PushsvcConnector(KVConnectorBase_V1):
 
     # ================================================================ scheduler role
 
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -150,6 +164,12 @@ class PushsvcConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # What vLLM calls on a SupportsHMA connector, with one list per KV-cache group.
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
@@ -181,6 +201,28 @@ class PushsvcConnector(KVConnectorBase_V1):
                            labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
                            ) -> KVConnectorPromMetrics | None:
         return PushsvcPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def transfer_groups(kv_cache_config: Any) -> TransferGroups:
+    """The groups a transfer carries (``groups.py``), from vLLM's KV-cache config; one
+    full-attention group where there is none (a role built without it)."""
+    if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
+        return TransferGroups()
+    groups = kv_cache_config.kv_cache_groups
+    ids = tuple(getattr(kv_cache_config, "transfer_group_ids", range(len(groups))))
+    keep = []
+    for gid in ids:
+        spec = groups[gid].kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            keep.append(-(-spec.sliding_window // spec.block_size) + 1)
+        elif isinstance(spec, FullAttentionSpec):  # MLA's spec is one too
+            keep.append(0)
+        else:
+            raise ValueError(f"PushsvcConnector does not support KV-cache group {gid} of kind "
+                             f"{type(spec).__name__} (layers {', '.join(groups[gid].layer_names[:4])}...): "
+                             "supported are full-attention and sliding-window groups")
+    layer_group = {name: i for i, gid in enumerate(ids) for name in groups[gid].layer_names}
+    return TransferGroups(ids, tuple(keep), layer_group if len(ids) > 1 or any(keep) else {})
 
 
 def check_parallelism(parallel_config: Any) -> None:

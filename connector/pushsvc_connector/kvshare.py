@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from pushsvc.protocol import worker as wp
 from pushsvc.shm import PAGE, SharedBuffer, rebind_pages
+from pushsvc_connector.groups import TransferGroups
 from pushsvc_connector.kvlayout import blocks_per_logical, regions_of
 
 
@@ -44,16 +46,32 @@ class KVShare:
         self.buffers = []
 
 
-def share_kv(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVShare:
-    """Share ``kv_caches`` (``num_blocks`` scheduler blocks each) with the daemon."""
+def share_kv(kv_caches: dict[str, torch.Tensor], num_blocks: int, groups: TransferGroups | None = None) -> KVShare:
+    """Share ``kv_caches`` (``num_blocks`` scheduler blocks each) with the daemon; each
+    region names its layer's transferred KV-cache group (``groups``; default: one group)."""
     per_logical = blocks_per_logical(kv_caches, num_blocks)
     if next(iter(kv_caches.values())).device.type == "cuda":
         from pushsvc_connector.cudashare import share_cuda_kv
 
         cuda, regions = share_cuda_kv(kv_caches, num_blocks * per_logical)
-        return KVShare(regions, per_logical, cuda=cuda)
+        return KVShare(grouped(regions, groups), per_logical, cuda=cuda)
     buffers, regions = share_kv_caches(kv_caches, num_blocks * per_logical)
-    return KVShare(regions, per_logical, buffers=buffers)
+    return KVShare(grouped(regions, groups), per_logical, buffers=buffers)
+
+
+def grouped(regions: list[wp.Region], groups: TransferGroups | None) -> list[wp.Region]:
+    """``regions`` with the transferred group of their layer; a layer no transferred group
+    holds is not registered (nothing is ever written into it or read from it)."""
+    if groups is None or not groups.layer_group:
+        return regions
+    out = []
+    for r in regions:
+        g = groups.group_of(r.layer_names[0]) if r.layer_names else None
+        if g is not None:
+            out.append(msgspec.structs.replace(r, group=g))
+    if not out:
+        raise ValueError("no KV layer belongs to a transferred KV-cache group")
+    return out
 
 
 def share_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[list[SharedBuffer], list[wp.Region]]:

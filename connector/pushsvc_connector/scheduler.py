@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from vllm.logger import init_logger
 
 from pushsvc.protocol.worker import RegisterRecv, SendReady
+from pushsvc_connector.groups import TransferGroups
 from pushsvc_connector.metadata import PushsvcMetadata
 from pushsvc_connector.params import (
     Refusal,
@@ -42,12 +43,15 @@ if TYPE_CHECKING:
 log = init_logger("vllm.pushsvc_connector")
 
 _FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+_TRUNCATED = "_pushsvc_prompt_truncated"  # P: kv_transfer_params mark of on_new_request
 
 
 class PushScheduler:
     def __init__(self, *, watchdog_s: float, lease_s: float, clock: Callable[[], float] = time.monotonic,
-                 coordinates: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
+                 coordinates: Callable[[], dict[str, Any] | None] = lambda: None,
+                 groups: TransferGroups | None = None) -> None:
         self.watchdog_s = watchdog_s
+        self._groups = groups or TransferGroups()
         # P: where D must register (the daemon's engine id and side channel), for the
         # kv_transfer_params P returns. None while the daemon cannot be asked.
         self._coordinates = coordinates
@@ -77,10 +81,27 @@ class PushScheduler:
             params["do_remote_prefill"] = False  # no later hook looks at these params again
             self._refused(request.request_id, refusal, "prefilling it locally")
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        # With a sliding-window group P stopped ``backoff`` tokens short (``on_new_request``).
+        count = len(request.prompt_token_ids or ()) - self._groups.backoff - num_computed_tokens
         if count > 0:
             return count, True
         return 0, False
+
+    # ------------------------------------------------------------------ P side
+
+    def on_new_request(self, request: Request) -> None:
+        """P, with a sliding-window group: drop the prompt's last ``backoff`` tokens before
+        the prefill, which D computes itself (``groups.py`` says why). Once per request (a
+        preempted request comes back with its params marked)."""
+        backoff = self._groups.backoff
+        params = params_of(request)
+        if (not backoff or not params or not params.get("do_remote_decode") or params.get(_TRUNCATED)
+                or request.prompt_token_ids is None or request.num_prompt_tokens <= backoff):
+            return
+        del request.prompt_token_ids[-backoff:]
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        params[_TRUNCATED] = True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = params_of(request)
@@ -91,7 +112,7 @@ class PushScheduler:
         if num_external_tokens <= 0:
             return  # full prefix hit on D: nothing to receive
         rid = request.request_id
-        block_ids = [list(g) for g in blocks.get_unhashed_block_ids_all_groups()]
+        block_ids = self._groups.clip(blocks.get_unhashed_block_ids_all_groups())
         remote = remote_prefill(params)
         refusal = check_request_id(rid) or _refusal(remote)
         if refusal is not None or not isinstance(remote, RemotePrefill):
@@ -146,7 +167,7 @@ class PushScheduler:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        groups = _grouped(block_ids)
+        groups = self._groups.clip(_grouped(block_ids))
         if request.status.name not in _FINISHED_OK or not any(len(g) for g in groups):
             return False, None
         refusal = check_request_id(rid)

@@ -35,16 +35,16 @@ def test_the_checked_settings_are_vllms_parallel_config_fields() -> None:
     assert "pipeline_parallel_size" in fields and "data_parallel_size" in fields
 
 
-def test_vllm_loads_a_connector_that_refuses_sleep_mode_and_hybrid_kv_caches() -> None:
+def test_vllm_loads_a_connector_that_refuses_sleep_mode_and_keeps_hybrid_kv_caches() -> None:
     """What vLLM asks the class it loads by module path: 0.33 refuses --enable-sleep-mode
     when supports_sleep_mode is False (the daemon keeps writing into the registered KV
-    pages, which sleep frees), and both versions turn the hybrid KV-cache manager off for
-    a connector that is not SupportsHMA."""
+    pages, which sleep frees), and both versions keep the hybrid KV-cache manager on only
+    for a connector that is SupportsHMA."""
     kv = _vllm_config().kv_transfer_config
     cls = KVConnectorFactory.get_connector_class(kv)
     assert cls is PushsvcConnector
     assert cls.supports_sleep_mode(kv) is False
-    assert not KVConnectorFactory.supports_hma_config(kv)
+    assert KVConnectorFactory.supports_hma_config(kv)
 
 
 def test_scheduler_role_reports_its_counters_and_builds_the_stats_vllm_sums() -> None:

@@ -1,0 +1,171 @@
+"""End to end with a hybrid model: vLLM's hybrid KV-cache manager stays on through P/D.
+
+A tiny Gemma-3 text model (6 layers: two of sliding-window attention, 128 tokens, then one
+of full attention, twice) is served by vLLM CPU with three KV-cache groups: two
+sliding-window groups and one full-attention group. The connector is ``SupportsHMA``, so
+vLLM keeps its hybrid manager on for P and D; each request's KV goes as three per-group
+block lists, the sliding-window groups carrying only the blocks their window still reads.
+The reference outputs come from a colocated vLLM with the hybrid manager *off* (every
+layer keeps every block), so equal outputs also show that the blocks D does not receive
+are blocks D never reads. The same runs measure the KV memory D saves: vLLM's own
+KV-cache capacity, in tokens, of the two (same KV memory, ``VLLM_CPU_KVCACHE_SPACE``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import kept_on_failure
+from helpers import (
+    E2EStack,
+    Outcome,
+    build_requests,
+    completion,
+    diverged_at,
+    generate,
+    generate_all,
+    get_json,
+    metric,
+    scrape,
+    text_with_tokens,
+    verify_results,
+    wait_for,
+    wait_tables_zero,
+)
+
+from pushsvc.launch import Proc, connector_config
+from pushsvc.tinymodel import ensure_tiny_model
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MODEL_DIR = "/tmp/pushsvc-e2e-gemma3"
+WINDOW = 128  # tokens of each sliding-window layer: one vLLM CPU block
+BLOCK = 128  # vLLM CPU's KV block size (tokens)
+LAYERS, KV_HEADS, HEAD_DIM = 6, 2, 64
+GROUP_BLOCK_BYTES = 2 * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2  # 2 layers a group, K and V, bf16
+SETTLE_S = 15.0
+HMA_OFF = "Turning off hybrid kv cache manager"
+
+
+@dataclass
+class HybridPD:
+    model: str
+    tokenizer: Any
+    refs: dict[str, Outcome]
+    reqs: list
+    colocated_capacity: int
+    prefill_daemon: Proc
+    decode_daemon: Proc
+    prefill: Proc
+    decode: Proc
+    proxy: Proc
+    stack: E2EStack
+
+    def logs(self, n: int = 30) -> str:
+        return "\n".join(f"--- {p.name} ({p.log})\n{p.tail(n)}" for p in self.stack.procs)
+
+
+def kv_capacity_tokens(log: Path) -> int:
+    """vLLM's KV-cache capacity in tokens, from its start-up log ("... KV cache size:
+    N tokens")."""
+    found = re.findall(r"KV cache size: ([\d,]+) tokens", log.read_text(errors="replace"))
+    assert found, f"no KV cache size in {log}"
+    return int(found[-1].replace(",", ""))
+
+
+@pytest.fixture(scope="module")
+def hybrid(request: pytest.FixtureRequest) -> Iterator[HybridPD]:
+    from transformers import AutoTokenizer
+
+    path = ensure_tiny_model(MODEL_DIR, family="gemma3", layers=LAYERS, hidden=256, heads=4, kv_heads=KV_HEADS,
+                             window=WINDOW)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    reqs = build_requests(tokenizer, path).outputs
+    with kept_on_failure(request) as workdir, E2EStack(workdir, progress=print, vllm_log_level="INFO") as st:
+        colocated = st.vllm("vllm-colocated", path, extra=("--disable-hybrid-kv-cache-manager",))
+        refs = generate_all(colocated.url, reqs)
+        bad = {r.name: str(refs[r.name]) for r in reqs if not refs[r.name].ok}
+        assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
+        capacity = kv_capacity_tokens(colocated.log)
+        st.stop(colocated)
+        pdaemon = st.daemon("prefill", "--verify")
+        ddaemon = st.daemon("decode", "--verify")
+        prefill = st.vllm("vllm-p", path, kv_transfer_config=connector_config("kv_producer", pdaemon), cpus="0")
+        decode = st.vllm("vllm-d", path, kv_transfer_config=connector_config("kv_consumer", ddaemon), cpus="1")
+        proxy = st.proxy("proxy", prefill=[prefill], prefill_daemons=[pdaemon], decode=[decode])
+        yield HybridPD(path, tokenizer, refs, reqs, capacity, pdaemon, ddaemon, prefill, decode, proxy, st)
+
+
+def _pushed_bytes(pd: HybridPD) -> float:
+    return metric(scrape(pd.prefill_daemon.url), "pushsvc_transfer_bytes_total") or 0.0
+
+
+def _done(pd: HybridPD) -> float:
+    return metric(scrape(pd.prefill_daemon.url), "pushsvc_transfers_total", result="done") or 0.0
+
+
+def test_the_hybrid_manager_stays_on_with_three_groups_registered(hybrid: HybridPD) -> None:
+    for server in (hybrid.prefill, hybrid.decode):
+        assert HMA_OFF not in server.log.read_text(errors="replace"), f"{server.name} turned the hybrid manager off"
+    for daemon in (hybrid.prefill_daemon, hybrid.decode_daemon):
+        agents = get_json(f"{daemon.url}/v1/info")["agents"]
+        # Every layer in exactly one of the three groups, one region each (vLLM CPU keeps a
+        # block's K and V side by side).
+        assert [(a["kv_groups"], a["regions"]) for a in agents] == [(3, LAYERS)], agents
+
+
+def test_outputs_match_colocated_and_every_push_verifies(hybrid: HybridPD) -> None:
+    verified_before = verify_results(hybrid.decode_daemon.url) or {}
+    done_before = _done(hybrid)
+    got = generate_all(hybrid.proxy.url, hybrid.reqs, concurrency=8)
+    failed = {name: str(o) for name, o in got.items() if not o.ok}
+    assert not failed, f"requests failed through the proxy: {failed}\n{hybrid.logs()}"
+    diverged = {r.name: diverged_at(got[r.name].tokens, hybrid.refs[r.name].tokens) for r in hybrid.reqs}
+    diverged = {name: at for name, at in diverged.items() if at is not None}
+    detail = {name: (got[name].tokens, hybrid.refs[name].tokens) for name in diverged}
+    assert all(at > 0 for at in diverged.values()), f"first token differs from colocated: {detail}"
+    # bf16 near-ties may flip a later greedy pick once in a while; more than that is a bug.
+    assert len(diverged) <= len(hybrid.reqs) // 24, f"outputs differ from colocated: {detail}"
+    wait_for("P daemon's completed pushes", lambda: _done(hybrid) - done_before, lambda n: n >= len(hybrid.reqs),
+             SETTLE_S)
+    checked = wait_for("D daemon's verified pushes",
+                       lambda: {k: v - verified_before.get(k, 0.0)
+                                for k, v in (verify_results(hybrid.decode_daemon.url) or {}).items()},
+                       lambda d: sum(d.values()) >= len(hybrid.reqs), SETTLE_S)
+    assert checked.get("identical", 0) == len(hybrid.reqs) == sum(checked.values()), checked
+    wait_tables_zero({"prefill": hybrid.prefill_daemon.url, "decode": hybrid.decode_daemon.url}, SETTLE_S)
+
+
+def test_sliding_window_groups_push_only_the_blocks_their_window_reads(hybrid: HybridPD) -> None:
+    """A 1200-token prompt (P computes 1199 of them, D the last): 10 blocks. The
+    full-attention group carries all 10; each sliding-window group only the blocks its
+    128-token window reads at the prompt's end (the last block and the one before it).
+    Without the hybrid manager every group would carry 10."""
+    prompt_tokens = 1200
+    req = completion("hybrid-long", hybrid.model, text_with_tokens(hybrid.tokenizer, prompt_tokens, seed=7101))
+    before, done_before = _pushed_bytes(hybrid), _done(hybrid)
+    out = generate(hybrid.proxy.url, req)
+    assert out.ok, f"{out}\n{hybrid.logs()}"
+    wait_for("the push", lambda: _done(hybrid) - done_before, lambda n: n >= 1, SETTLE_S)
+    pushed = _pushed_bytes(hybrid) - before
+    blocks = -(-prompt_tokens // BLOCK)
+    full_group = blocks * GROUP_BLOCK_BYTES
+    window_blocks = -(-WINDOW // BLOCK) + 1
+    assert pushed == full_group + 2 * window_blocks * GROUP_BLOCK_BYTES, (
+        f"pushed {pushed} bytes: {pushed / GROUP_BLOCK_BYTES:.1f} group blocks, expected {blocks} + 2 x {window_blocks}")
+    print(f"1200-token prompt: {pushed / 2**20:.2f} MiB pushed, {3 * full_group / 2**20:.2f} MiB without the "
+          "hybrid manager")
+
+
+def test_d_holds_more_tokens_in_the_same_kv_memory(hybrid: HybridPD) -> None:
+    """vLLM sizes its KV cache from the same memory on both runs: with the hybrid manager
+    on, sliding-window layers hold only their window, so the same memory holds more tokens."""
+    on = kv_capacity_tokens(hybrid.decode.log)
+    print(f"KV-cache capacity in the same memory: {on} tokens with the hybrid manager (D), "
+          f"{hybrid.colocated_capacity} without (colocated): x{on / hybrid.colocated_capacity:.2f}")
+    assert on > hybrid.colocated_capacity
