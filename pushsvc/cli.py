@@ -73,8 +73,11 @@ def _proxy_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("proxy", help="run the P/D proxy in front of vLLM prefill and decode instances")
     p.add_argument("--prefill", action="append", required=True, metavar="URL",
                    help="a prefill vLLM base URL (repeat for several)")
-    p.add_argument("--prefill-daemon", dest="prefill_daemon", action="append", required=True, metavar="URL",
-                   help="health URL of the pushsvc daemon of the prefill instance at the same position")
+    p.add_argument("--prefill-daemon", dest="prefill_daemon", action="append", default=[], metavar="URL",
+                   help="health URL of the pushsvc daemon of the prefill instance at the same position, one per "
+                        "--prefill: D is sent to the daemon its /v1/info describes. Default: none, each prefill "
+                        "instance's answers say where its daemon is (the first request to it runs prefill, then "
+                        "decode)")
     p.add_argument("--decode", action="append", required=True, metavar="URL",
                    help="a decode vLLM base URL (repeat for several)")
     p.add_argument("--port", type=int, required=True, help="0 picks a free port")
@@ -82,7 +85,8 @@ def _proxy_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout-s", dest="timeout_s", type=float,
                    help="total per non-streamed backend call; idle between stream chunks (default 300)")
     p.add_argument("--connect-timeout-s", dest="connect_timeout_s", type=float, help="default 10")
-    p.add_argument("--remote-tp-size", dest="remote_tp_size", type=int, help="prefill TP size (default 1)")
+    p.add_argument("--remote-tp-size", dest="remote_tp_size", type=int,
+                   help="prefill TP size, unless the prefill instance's answers say it (default 1)")
     p.add_argument("--max-connections", dest="max_connections", type=int,
                    help="open backend connections at most (default 1024)")
     p.add_argument("--health-interval-s", dest="health_interval_s", type=float,

@@ -2,7 +2,9 @@
 proxy. Used by the demo, the end-to-end tests and the benchmarks.
 
 Every process gets its own log file; ``Stack`` stops everything it started (SIGTERM,
-then SIGKILL after a bound) on exit, on error and on Ctrl-C.
+then SIGKILL after a bound) on exit, on error and on Ctrl-C. A process stopped while the
+stack waits for it to start (by the stack, or by SIGINT/SIGTERM) raises ``Stopped``, which
+is never taken for a start-up crash and never retried.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +33,15 @@ VLLM_ENV = {
 }
 
 
+# Exit statuses of a process ended by one of these signals: it was stopped, it did not crash.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(RuntimeError):
+    """A process was stopped while the stack waited for it to start, or the stack is being
+    stopped: not a start-up failure."""
+
+
 @dataclass
 class Proc:
     name: str
@@ -37,9 +49,14 @@ class Proc:
     log: Path
     info: dict = field(default_factory=dict)
     url: str = ""
+    stopping: bool = False  # ``stop`` was called: its exit is ours, not a crash
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def was_stopped(self) -> bool:
+        """It exited because it was told to: by ``stop``, or by SIGINT or SIGTERM from anyone."""
+        return self.stopping or self.popen.returncode in [-s for s in _STOP_SIGNALS]
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -48,6 +65,7 @@ class Proc:
             return ""
 
     def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM) -> int:
+        self.stopping = True  # before the signal: a thread waiting for its start must see it
         if self.popen.poll() is None:
             try:
                 os.killpg(self.popen.pid, sig)
@@ -81,7 +99,12 @@ def _get_json(url: str, timeout: float = 2.0) -> dict:
 
 
 class Stack:
-    """The processes of one run, stopped in reverse order by ``close``."""
+    """The processes of one run, stopped in reverse order by ``close``.
+
+    Starts may run in threads (the demo starts P and D together) while the main thread
+    stops the stack: ``_lock`` orders each spawn against ``refuse_starts``, so a process is
+    either in ``procs`` when the stack begins to stop, or never spawned.
+    """
 
     def __init__(self, workdir: Path, progress: Callable[[str], None] = lambda s: None,
                  vllm_log_level: str = "WARNING") -> None:
@@ -90,15 +113,33 @@ class Stack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.procs: list[Proc] = []
         self.progress = progress
+        self.stopping = False  # set by refuse_starts (and close): nothing starts any more
+        self._lock = threading.Lock()
+
+    def refuse_starts(self) -> None:
+        """Start nothing from now on: a start raises ``Stopped``, and one waiting for its
+        process raises it once that process is gone, without starting it again. For a stack
+        about to be stopped (Ctrl-C, SIGTERM, a failed start beside others)."""
+        with self._lock:
+            self.stopping = True
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
         log = self.workdir / f"{name}.log"
-        with open(log, "wb") as f:
-            popen = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                     start_new_session=True)  # its own group: stop() reaches its children
-        proc = Proc(name, popen, log)
-        self.procs.append(proc)
+        with self._lock:
+            if self.stopping:
+                raise Stopped(f"not starting {name}: the stack is stopping")
+            with open(log, "wb") as f:
+                popen = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(env or {})},
+                                         start_new_session=True)  # its own group: stop() reaches its children
+            proc = Proc(name, popen, log)
+            self.procs.append(proc)
         return proc
+
+    def _forget(self, proc: Proc) -> None:
+        with self._lock:
+            if proc in self.procs:
+                self.procs.remove(proc)
 
     def daemon(self, name: str, *extra: str) -> Proc:
         rt = self.workdir / name
@@ -128,24 +169,35 @@ class Stack:
         env = {**VLLM_ENV, "VLLM_LOGGING_LEVEL": self.vllm_log_level}
         if cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+        return self.server(name, argv, f"http://127.0.0.1:{port}", env=env, timeout=timeout)
+
+    def server(self, name: str, argv: list[str], url: str, *, env: dict[str, str] | None = None,
+               timeout: float = 300) -> Proc:
+        """An HTTP server process, ready once ``{url}/health`` answers 200. One that exits
+        on its own during start-up is started once more; one that was stopped is not."""
         for attempt in (1, 2):
             proc = self._spawn(name, argv, env)
-            proc.url = f"http://127.0.0.1:{port}"
+            proc.url = url
             try:
-                self._wait(proc, lambda: _ok(f"{proc.url}/health"), timeout)
+                self._wait(proc, lambda: _ok(f"{url}/health"), timeout)
                 return proc
+            except Stopped:
+                raise
             except RuntimeError:
                 # On a host loaded by other work, vLLM's worker start-up has been seen to
                 # die once and start fine the next time; a second death is reported.
                 if attempt == 2 or proc.alive():
                     raise
+                if self.stopping:
+                    raise Stopped(f"{name} exited during start-up while the stack is stopping") from None
                 self.progress(f"  {name} exited during start-up ({proc.log}); starting it once more")
-                self.procs.remove(proc)
+                self._forget(proc)
                 proc.log.rename(proc.log.with_suffix(".failed.log"))
         raise AssertionError("unreachable")
 
     def proxy(self, name: str, prefill: list[Proc], prefill_daemons: list[Proc], decode: list[Proc],
               port: int = 0) -> Proc:
+        """``pushsvc proxy``; ``prefill_daemons`` empty: it learns P's daemons from P's answers."""
         port = port or free_port()
         argv = [sys.executable, "-m", "pushsvc", "proxy", "--port", str(port), "--host", "127.0.0.1",
                 "--log-format", "json"]
@@ -165,6 +217,8 @@ class Stack:
         last = -1
         while not ready():
             if not proc.alive():
+                if proc.was_stopped() or self.stopping:
+                    raise Stopped(f"{proc.name} was stopped during start-up (exit status {proc.popen.returncode})")
                 raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
             waited = int(time.monotonic() - start)
             if waited > timeout:
@@ -177,12 +231,13 @@ class Stack:
 
     def stop(self, proc: Proc) -> int:
         code = proc.stop()
-        self.procs.remove(proc)
+        self._forget(proc)
         return code
 
     def close(self) -> dict[str, int]:
+        self.refuse_starts()
         codes = {}
-        for proc in reversed(self.procs):
+        for proc in reversed(list(self.procs)):
             codes[proc.name] = proc.stop()
         self.procs.clear()
         return codes

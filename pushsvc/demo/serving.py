@@ -167,11 +167,13 @@ def _start_together(stack: Stack, starts: dict[str, Callable[[], Proc]]) -> list
                 t.join(0.2)  # short joins: Ctrl-C reaches the main thread between them
         _raise_first_failure(results)
     except BaseException:
-        # Stop what these threads started: a thread's wait ends once its process is gone.
+        # Ctrl-C, SIGTERM or a failed start: no thread may start (or restart) a process from
+        # here on, and what they started is stopped; a thread's wait then ends with Stopped,
+        # not with a retry (a server we stopped did not crash).
+        stack.refuse_starts()
         _stop_named(stack, starts)
         for t in threads:
             t.join(10)
-        _stop_named(stack, starts)  # in case a thread spawned its process after the first stop
         raise
     return [results[name] for name in starts]  # type: ignore[misc]
 

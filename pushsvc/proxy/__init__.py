@@ -2,7 +2,9 @@
 
 Each generation request becomes two concurrent legs: a prefill leg to a P instance and a
 decode leg to a D instance that names P's daemon, so D's daemon registers its blocks while P
-computes and P's daemon pushes the KV straight into them. Modules: ``config`` (ProxyConfig),
+computes and P's daemon pushes the KV straight into them. P's daemon is named by
+``--prefill-daemon`` or learned from P's answers (the first exchange with a P runs P's leg
+first). Modules: ``config`` (ProxyConfig),
 ``legs`` (the two request bodies, pure), ``backends`` (selection, daemon coordinates),
 ``upstream`` (backend calls and their errors), ``metrics``, ``app`` (routes, lifecycle).
 """

@@ -5,6 +5,13 @@ while D allocates blocks and its daemon registers them with P's (push mode). The
 gets D's answer. Until D has produced its first bytes, either leg failing ends the
 exchange: the other leg's connection is closed (vLLM aborts a request whose client left)
 and the client gets the failed leg's status. Once D has answered, P no longer matters.
+
+D's leg names P's daemon. With ``--prefill-daemon`` the proxy asks that daemon
+(``/v1/info``); without, P's answers say it (P's connector returns its daemon's
+coordinates in every answer's ``kv_transfer_params``): for a P whose coordinates the proxy
+does not know yet (the first exchange, or the first after a failure), D's leg waits for
+P's answer; after that both legs start together again, and every P answer refreshes what
+is kept. A P that answers without usable coordinates fails that exchange (502).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from datetime import datetime, timezone
 from typing import Any, Self
 
 import aiohttp
+import msgspec
 from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -34,6 +42,7 @@ from pushsvc.proxy.config import ProxyConfig
 from pushsvc.proxy.legs import PrefillCoordinates
 from pushsvc.proxy.metrics import PHASES, ProxyMetrics
 from pushsvc.proxy.upstream import (
+    PROTOCOL,
     UpstreamError,
     fetch_coordinates,
     probe,
@@ -102,7 +111,8 @@ class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.prefill = BackendPool(
-            [Backend(url, PREFILL, daemon_url=daemon) for url, daemon in zip(config.prefill, config.prefill_daemon)]
+            [Backend(url, PREFILL, daemon_url=daemon)
+             for url, daemon in zip(config.prefill, config.prefill_daemon or [None] * len(config.prefill))]
         )
         self.decode = BackendPool([Backend(url, DECODE) for url in config.decode])
         self.metrics = ProxyMetrics()
@@ -235,9 +245,8 @@ class Proxy:
         d_task: asyncio.Task[Streaming | Completed] | None = None
         try:
             try:
-                coords = await self.infos.get(ex.prefill)
+                coords = await self._coordinates(ex, p_task)
             except UpstreamError as err:
-                self._count_failure(err, ex.prefill, ex.log, phase="daemon_info")
                 return self._fail(ex, err)
             d_task = asyncio.create_task(self._decode_leg(ex, coords))
             try:
@@ -258,7 +267,25 @@ class Proxy:
                         result.response.close()
             await _stop(p_task)
 
-    async def _prefill_leg(self, ex: Exchange) -> None:
+    async def _coordinates(self, ex: Exchange, p_task: asyncio.Task[PrefillCoordinates | None]) -> PrefillCoordinates:
+        """Where D's leg sends D's daemon: P's daemon's ``/v1/info`` (``--prefill-daemon``),
+        else what P last answered, else (nothing known about this P) P's answer to this
+        exchange's leg, which then runs alone first. Raises UpstreamError, already counted."""
+        backend = ex.prefill
+        if backend.daemon_url is not None:
+            try:
+                return await self.infos.get(backend)
+            except UpstreamError as err:
+                self._count_failure(err, backend, ex.log, phase="daemon_info")
+                raise
+        if backend.coordinates is not None:
+            return backend.coordinates
+        coords = await p_task  # P's UpstreamError propagates; the leg counted it
+        assert coords is not None, "a P without a daemon URL answers with coordinates or fails"
+        return coords
+
+    async def _prefill_leg(self, ex: Exchange) -> PrefillCoordinates | None:
+        """P's leg; the coordinates P's answer gave when P has no ``--prefill-daemon``."""
         backend = ex.prefill
         data = legs.encode_body(legs.prefill_body(ex.body, ex.endpoint, ex.transfer_id))
         try:
@@ -268,7 +295,8 @@ class Proxy:
             ) as response:
                 if not 200 <= response.status < 300:
                     raise await status_error(PREFILL, response)
-                await response.read()  # one token, discarded: P's work is the KV it pushes
+                # One token, discarded (P's work is the KV it pushes), and P's coordinates.
+                raw = await response.read()
                 ex.mark("prefill_answered")
         except _CALL_ERRORS as exc:
             err = translate(exc, PREFILL, backend.url)
@@ -278,6 +306,32 @@ class Proxy:
             self._count_failure(err, backend, ex.log, phase="prefill")
             raise
         backend.mark_ok()
+        if backend.daemon_url is not None:
+            return None  # its daemon says where it is; the answer is not consulted
+        return self._learn(ex, raw)
+
+    def _learn(self, ex: Exchange, raw: bytes) -> PrefillCoordinates:
+        """P's daemon coordinates from P's answer, kept for the next exchanges with P.
+
+        Every answer refreshes them (a restarted daemon has a new side-channel port). A P
+        that lies can only misdirect D's daemon, which then fails to handshake or to pair
+        there (docs/routers.md, "Trust"); a P that answers without them fails this exchange.
+        """
+        backend = ex.prefill
+        try:
+            coords = legs.answered_coordinates(raw, ex.transfer_id)
+        except legs.BadPrefillAnswer as exc:
+            err = UpstreamError(PREFILL, PROTOCOL, 502,
+                                f"prefill backend {backend.url} did not say where its daemon is: {exc}")
+            self._count_failure(err, backend, ex.log, phase="prefill_coordinates")
+            raise err from None
+        if coords != backend.coordinates:
+            previous = backend.coordinates
+            ex.log.info("prefill_coordinates_learned", backend=backend.url, engine_id=coords.engine_id,
+                        host=coords.side_channel_host, port=coords.side_channel_port, tp_size=coords.tp_size,
+                        previous=None if previous is None else msgspec.structs.asdict(previous))
+            backend.coordinates = coords
+        return coords
 
     async def _decode_leg(self, ex: Exchange, coords: PrefillCoordinates) -> Streaming | Completed:
         backend = ex.decode
@@ -386,7 +440,7 @@ class Proxy:
 
     async def _probe(self, backend: Backend) -> None:
         problem = await probe(self.session, f"{backend.url}/health", self._probe_timeout)
-        if not problem and backend.role == PREFILL:
+        if not problem and backend.role == PREFILL and backend.daemon_url is not None:
             # P is useless for P/D without its daemon; asking also refreshes the coordinates.
             try:
                 await self.infos.refresh(backend)
@@ -403,7 +457,7 @@ class Proxy:
 
 
 async def _first_answer(
-    p_task: asyncio.Task[None], d_task: asyncio.Task[Streaming | Completed]
+    p_task: asyncio.Task[PrefillCoordinates | None], d_task: asyncio.Task[Streaming | Completed]
 ) -> Streaming | Completed:
     """D's start, unless a leg fails first. Raises the failed leg's UpstreamError."""
     await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)

@@ -23,11 +23,12 @@ class Backend:
 
     url: str
     role: str
-    daemon_url: str | None = None  # P only: its pushsvc daemon's health endpoint
+    # P only: its pushsvc daemon's health endpoint; None: P's answers say where it is.
+    daemon_url: str | None = None
     outstanding: int = 0
     healthy: bool = True
     last_error: str = ""
-    coordinates: PrefillCoordinates | None = None  # P only: cached from the daemon
+    coordinates: PrefillCoordinates | None = None  # P only: cached from the daemon or P's last answer
 
     def mark_failed(self, reason: str) -> None:
         self.healthy = False
@@ -103,6 +104,9 @@ FetchCoordinates = Callable[[str], Awaitable[PrefillCoordinates]]
 
 class DaemonInfoCache:
     """P coordinates per backend, fetched once and kept until ``invalidate``.
+
+    Fetches only for a backend with a ``daemon_url``; for one without, the app keeps what
+    P's answers say in ``Backend.coordinates`` and ``invalidate`` drops that alike.
 
     Concurrent requests for an uncached backend share one fetch; a caller that gives up
     (its client left) does not cancel the fetch for the others.

@@ -24,7 +24,9 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     # vLLM OpenAI servers: prefill (P) and decode (D) instances.
     prefill: list[str]
-    # The pushsvc daemon next to each P instance; the i-th belongs to the i-th ``prefill``.
+    # The pushsvc daemon next to each P instance, the i-th belonging to the i-th ``prefill``:
+    # D is sent to the daemon its ``/v1/info`` describes. Empty: each P's answers say where
+    # its daemon is (the first exchange with a P then sends D's leg after P's answer).
     prefill_daemon: list[str]
     decode: list[str]
     port: int
@@ -34,7 +36,8 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # TCP connect only: waiting for a free pooled connection does not count, so a busy
     # proxy does not report healthy backends as unreachable.
     connect_timeout_s: float = 10.0
-    # Tensor-parallel size of the P instances, passed to D as ``remote_tp_size``.
+    # Tensor-parallel size of the P instances, passed to D as ``remote_tp_size``, unless
+    # P's answer says it (P's connector does).
     remote_tp_size: int = 1
     # Bound on open backend connections (aiohttp TCPConnector limit).
     max_connections: int = 1024
@@ -54,10 +57,11 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ConfigError(name, "needs at least one backend URL")
             if len(set(urls)) != len(urls):
                 raise ConfigError(name, "lists the same backend twice")
-        if len(self.prefill_daemon) != len(self.prefill):
+        if self.prefill_daemon and len(self.prefill_daemon) != len(self.prefill):
             raise ConfigError(
                 "prefill_daemon",
-                f"needs one daemon URL per prefill backend ({len(self.prefill)}), got {len(self.prefill_daemon)}",
+                f"needs one daemon URL per prefill backend ({len(self.prefill)}), or none to learn each P's "
+                f"daemon from P's answers; got {len(self.prefill_daemon)}",
             )
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", f"must be in 0..65535, got {self.port}")

@@ -3,7 +3,10 @@
 Pure functions: no I/O, no clock. The prefill leg asks P to compute the prompt's KV and
 keep it for a remote decoder (``do_remote_decode``); the decode leg asks D to receive that
 KV from P (``do_remote_prefill``) and names where P's daemon listens, so D's daemon can
-register its blocks with P while P computes (push mode).
+register its blocks with P while P computes (push mode). Where P's daemon listens comes
+from P's daemon (``--prefill-daemon``) or from P's own answers: P's connector returns its
+daemon's coordinates in the ``kv_transfer_params`` of every answer, and
+``answered_coordinates`` checks them.
 
 Both legs of one exchange carry one match key, ``transfer_id`` in ``kv_transfer_params``,
 minted per exchange by the proxy. The connectors hand it to their daemons and P's daemon
@@ -24,9 +27,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+
+from pushsvc.protocol import worker as wp
+from pushsvc.protocol.framing import DECODE_ERRORS
 
 COMPLETIONS = "completions"
 CHAT = "chat_completions"
@@ -49,11 +55,14 @@ REQUEST_ID_REFUSALS = (TOO_LONG, NOT_PRINTABLE_ASCII)
 
 
 class PrefillCoordinates(msgspec.Struct, frozen=True):
-    """Where D's daemon finds P's: the keys of a P daemon's ``GET /v1/info`` we use."""
+    """Where D's daemon finds P's: the keys of a P daemon's ``GET /v1/info`` we use, or
+    what P's answer said (``answered_coordinates``)."""
 
     engine_id: str
     side_channel_host: str
     side_channel_port: int
+    # P's tensor-parallel size when P's answer said it; None: the proxy's ``remote_tp_size``.
+    tp_size: int | None = None
 
     def check(self) -> None:
         """Raise ValueError unless these coordinates can be dialed."""
@@ -63,6 +72,69 @@ class PrefillCoordinates(msgspec.Struct, frozen=True):
             raise ValueError("side_channel_host is empty")
         if not 1 <= self.side_channel_port <= 65535:
             raise ValueError(f"side_channel_port {self.side_channel_port} is not in 1..65535")
+
+
+class BadPrefillAnswer(ValueError):
+    """P's answer does not say where its daemon is, or says it in a form D cannot use."""
+
+
+# Bounds as D's connector checks them (pushsvc_connector/params.py), which are the worker
+# protocol's: what passes here, D's connector takes and its daemon can be sent.
+_Name = Annotated[wp.Name, msgspec.Meta(min_length=1)]
+_Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+_TpSize = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+
+
+class _AnsweredParams(msgspec.Struct):
+    """The ``kv_transfer_params`` of P's answer, as P's connector writes them
+    (``request_finished``); keys not named here are ignored."""
+
+    remote_engine_id: _Name
+    remote_host: _Name
+    remote_port: _Port
+    transfer_id: str
+    remote_tp_size: _TpSize | msgspec.UnsetType = msgspec.UNSET
+    tp_size: _TpSize | msgspec.UnsetType = msgspec.UNSET  # the older name, as D's connector takes it
+    transfer_mode: str = "push"
+    remote_block_ids: Any = None
+
+
+class _PrefillAnswer(msgspec.Struct):
+    kv_transfer_params: _AnsweredParams | None = None
+
+
+_answer_decoder = msgspec.json.Decoder(_PrefillAnswer)
+
+
+def answered_coordinates(raw: bytes, transfer_id: str) -> PrefillCoordinates:
+    """P's daemon coordinates from P's answer to the prefill leg of exchange ``transfer_id``;
+    BadPrefillAnswer (naming the key) unless D's connector would accept them as they are.
+
+    Nothing else of P's answer is decoded. The answer must be this exchange's (its
+    ``transfer_id``) and for a push (no ``remote_block_ids``, no other ``transfer_mode``).
+    """
+    try:
+        params = _answer_decoder.decode(raw).kv_transfer_params
+    except DECODE_ERRORS as exc:
+        raise BadPrefillAnswer(f"unusable kv_transfer_params: {exc}") from None
+    if params is None:
+        raise BadPrefillAnswer("no kv_transfer_params in its answer, so it holds no KV for D "
+                               "(is it a kv_producer with PushsvcConnector, and did its daemon answer it?)")
+    if params.remote_block_ids:
+        raise BadPrefillAnswer("remote_block_ids in its kv_transfer_params: a pull-mode prefill's params")
+    if params.transfer_mode != "push":
+        raise BadPrefillAnswer(f"transfer_mode {_shown(params.transfer_mode)} in its kv_transfer_params, not push")
+    if params.transfer_id != transfer_id:
+        raise BadPrefillAnswer(f"transfer_id {_shown(params.transfer_id)} in its kv_transfer_params, "
+                               f"not this exchange's {transfer_id!r}")
+    tp_size = params.remote_tp_size if params.remote_tp_size is not msgspec.UNSET else params.tp_size
+    return PrefillCoordinates(params.remote_engine_id, params.remote_host, params.remote_port,
+                              None if tp_size is msgspec.UNSET else tp_size)
+
+
+def _shown(value: str) -> str:
+    """Another party's string, short enough for an error message."""
+    return repr(value) if len(value) <= 80 else f"{value[:60]!r}... ({len(value)} characters)"
 
 
 class BadRequestBody(ValueError):
@@ -155,7 +227,8 @@ def decode_body(
 ) -> dict[str, Any]:
     """D's request: the client's unchanged, plus where P's KV comes from.
 
-    Its ``kv_transfer_params`` are ours alone (module docstring: why).
+    ``remote_tp_size`` is P's tensor-parallel size unless ``prefill`` says it. Its
+    ``kv_transfer_params`` are ours alone (module docstring: why).
     """
     leg = dict(body)
     leg["kv_transfer_params"] = {
@@ -164,7 +237,7 @@ def decode_body(
         "remote_engine_id": prefill.engine_id,
         "remote_host": prefill.side_channel_host,
         "remote_port": prefill.side_channel_port,
-        "remote_tp_size": remote_tp_size,
+        "remote_tp_size": remote_tp_size if prefill.tp_size is None else prefill.tp_size,
         TRANSFER_ID: transfer_id,
     }
     return leg

@@ -3,7 +3,8 @@
 The stand-ins are real aiohttp servers on loopback that answer like vLLM's OpenAI server
 (and, for ``/v1/info``, like a pushsvc daemon). They record what they received, and notice
 when the proxy closes their connection (their handler is cancelled), which is how vLLM
-learns to abort a request.
+learns to abort a request. A stand-in P answers a prefill leg with the ``kv_transfer_params``
+P's connector returns (its daemon's coordinates and the leg's ``transfer_id``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Received:
 
 
 Gate = Callable[["StandIn", dict[str, Any]], Awaitable[None]]
+AnswerParams = Callable[["StandIn", dict[str, Any]], Any]
 
 
 def transfer_id_of(body: dict[str, Any]) -> str:
@@ -49,12 +51,26 @@ async def hang(standin: StandIn, body: dict[str, Any]) -> None:
     await asyncio.Event().wait()  # until the proxy closes the connection
 
 
+def connector_params(standin: StandIn, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` P's connector answers a prefill leg with
+    (``request_finished``), None for any other request."""
+    if not (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+        return None
+    return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
+            "transfer_id": transfer_id_of(body), "remote_engine_id": standin.engine_id,
+            "remote_host": standin.side_channel_host, "remote_port": standin.side_channel_port,
+            "remote_tp_size": 1}
+
+
 @dataclass
 class StandIn:
     """A stand-in vLLM OpenAI server, or a pushsvc daemon's health endpoint."""
 
     name: str
     engine_id: str = ""
+    side_channel_host: str = "127.0.0.9"  # in /v1/info and in a P's answers
+    side_channel_port: int = 5600
+    answer_params: AnswerParams = connector_params  # the kv_transfer_params of a 200 answer
     status: int = 200
     error_message: str = ""
     gate: Gate | None = None  # awaited before answering
@@ -65,6 +81,7 @@ class StandIn:
     received: list[Received] = field(default_factory=list)
     answered_at: list[float] = field(default_factory=list)
     info_fetches: int = 0
+    health_checks: int = 0
     got_request: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     url: str = ""
@@ -107,7 +124,8 @@ class StandIn:
                 choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": f"from {self.name}"}}
             else:
                 choice = {"index": 0, "text": f"from {self.name}"}
-            return web.json_response({"id": self.name, "choices": [choice]})
+            return web.json_response({"id": self.name, "choices": [choice],
+                                      "kv_transfer_params": self.answer_params(self, body)})
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
@@ -132,12 +150,14 @@ class StandIn:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "owned_by": self.name}]})
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
         return web.Response(status=self.health_status)
 
     async def _info(self, request: web.Request) -> web.Response:
         self.info_fetches += 1
         return web.json_response({"version": "0.1.0", "engine_id": self.engine_id, "daemon_id": "x",
-                                  "side_channel_host": "127.0.0.9", "side_channel_port": 5600, "agents": []})
+                                  "side_channel_host": self.side_channel_host,
+                                  "side_channel_port": self.side_channel_port, "agents": []})
 
 
 @asynccontextmanager
@@ -195,7 +215,8 @@ async def cluster(n_prefill: int = 1, n_decode: int = 1, prefill_urls: list[str]
                   **config: Any) -> AsyncIterator[Cluster]:
     """P, P-daemon and D stand-ins plus a proxy in front. D answers a request only after the
     P that got the same match key has answered successfully, as a real D waits for the KV
-    its daemon is paired with by that key."""
+    its daemon is paired with by that key. P i and its daemon both say ``engine-p<i>``;
+    ``prefill_daemon=[]`` starts the proxy without daemon URLs (it learns from P's answers)."""
     p_done: dict[str, asyncio.Event] = {}
 
     def done(key: str) -> asyncio.Event:
@@ -204,7 +225,8 @@ async def cluster(n_prefill: int = 1, n_decode: int = 1, prefill_urls: list[str]
     async def after_p(standin: StandIn, body: dict[str, Any]) -> None:
         await asyncio.wait_for(done(transfer_id_of(body)).wait(), WAIT_S)
 
-    prefill = [StandIn(f"p{i}", on_answer=lambda body: done(transfer_id_of(body)).set()) for i in range(n_prefill)]
+    prefill = [StandIn(f"p{i}", engine_id=f"engine-p{i}", on_answer=lambda body: done(transfer_id_of(body)).set())
+               for i in range(n_prefill)]
     daemons = [StandIn(f"pd{i}", engine_id=f"engine-p{i}") for i in range(n_prefill)]
     decode = [StandIn(f"d{i}", gate=after_p) for i in range(n_decode)]
     async with _serving_all([*prefill, *daemons, *decode]):

@@ -71,3 +71,18 @@ def test_cli_proxy_invalid_values_exit_2_naming_the_field(
     assert cli.main([*_CLI_BASE, *args]) == 2
     err = capsys.readouterr().err
     assert "invalid configuration" in err and f"{field}:" in err
+
+
+def test_config_without_daemon_urls_learns_from_p_but_a_partial_list_is_refused() -> None:
+    assert load_proxy_config(_cfg(prefill_daemon=[])).prefill_daemon == []
+    with pytest.raises(ConfigError, match="or none to learn each P's daemon from P's answers") as info:
+        load_proxy_config(_cfg(prefill=["http://p:1", "http://p:2"]))
+    assert info.value.field == "prefill_daemon"
+
+
+def test_cli_proxy_needs_no_prefill_daemon(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["proxy", "--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200"]
+    assert cli.build_parser().parse_args([*argv, "--port", "8000"]).prefill_daemon == []
+    assert cli.main([*argv, "--port", "70000"]) == 2  # past the parser, refused by the config
+    err = capsys.readouterr().err
+    assert "port:" in err and "prefill_daemon" not in err
