@@ -29,7 +29,6 @@ import shlex
 import shutil
 import sys
 import tempfile
-import urllib.request
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -69,20 +68,9 @@ def start_vllm_router(stack: Stack, name: str, prefill: list[Proc], decode: list
         argv += ["--prefill", p.url]
     for d in decode:
         argv += ["--decode", d.url]
-    # Stack has no router starter of its own; its spawn and wait give the router the same
-    # log file, process group and stop-on-exit as every other process of the stack.
-    proc = stack._spawn(name, [*argv, *extra])  # noqa: SLF001
-    proc.url = f"http://127.0.0.1:{port}"
-    stack._wait(proc, lambda: _ok(f"{proc.url}/health"), timeout)  # noqa: SLF001
-    return proc
-
-
-def _ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    # The stack's own server start: the same log file, process group and stop-on-exit as
+    # every other process of the stack, ready once /health answers.
+    return stack.server(name, [*argv, *extra], f"http://127.0.0.1:{port}", timeout=timeout)
 
 
 def start_fronts(stack: Stack, model: str) -> dict[str, Proc]:

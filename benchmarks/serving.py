@@ -130,14 +130,6 @@ def _together(stack: Stack, starts: dict[str, Callable[[], Proc]]) -> list[Proc]
     return [results[n] for n in starts]  # type: ignore[misc]
 
 
-def _ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 # ---------------------------------------------------------------------------- anchors
 
 
@@ -170,9 +162,7 @@ def _nixl(mode: str, prog_thread: bool, extra: dict, name: str) -> Callable[[Ben
         if mode == "push":
             argv += ["--prefill-engine-id", f"{name}-p", "--prefill-host", "127.0.0.1",
                      "--prefill-side-channel-port", str(ports["p"])]
-        proxy = stack._spawn(f"{name}-proxy", argv)
-        proxy.url = f"http://127.0.0.1:{port}"
-        stack._wait(proxy, lambda: _ok(f"{proxy.url}/healthz"), 60)
+        proxy = stack.server(f"{name}-proxy", argv, f"http://127.0.0.1:{port}", timeout=60, health="/healthz")
         return Deployment(proxy.url, {"P": p.popen.pid, "D": d.popen.pid, "proxy": proxy.popen.pid})
 
     return start

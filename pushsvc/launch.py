@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 VLLM_ENV = {
     # KV cache memory per vLLM CPU server (GiB): small, several servers share the host.
@@ -35,6 +35,15 @@ VLLM_ENV = {
 
 # Exit statuses of a process ended by one of these signals: it was stopped, it did not crash.
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Host(Protocol):
+    """Where a process runs, if not here: an address to bind and reach it at, and the
+    command that runs an argv there (the multi-host tests' network namespaces)."""
+
+    ip: str
+
+    def wrap(self, argv: list[str]) -> list[str]: ...
 
 
 class Stopped(RuntimeError):
@@ -123,8 +132,11 @@ class Stack:
         with self._lock:
             self.stopping = True
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+               on: Host | None = None) -> Proc:
         log = self.workdir / f"{name}.log"
+        if on is not None:
+            argv = on.wrap(argv)
         with self._lock:
             if self.stopping:
                 raise Stopped(f"not starting {name}: the stack is stopping")
@@ -141,45 +153,49 @@ class Stack:
             if proc in self.procs:
                 self.procs.remove(proc)
 
-    def daemon(self, name: str, *extra: str) -> Proc:
+    def daemon(self, name: str, *extra: str, on: Host | None = None) -> Proc:
+        """``pushsvc serve``; ``on``: run it there, its health endpoint on that host's
+        address (``extra`` then says how it is secured)."""
         rt = self.workdir / name
         rt.mkdir(exist_ok=True)
         ready = rt / "ready.json"
         ready.unlink(missing_ok=True)
+        where = ("--health-host", on.ip) if on is not None else ()
         proc = self._spawn(name, [sys.executable, "-m", "pushsvc", "serve", "--engine-id", name, "--runtime-dir",
                                   str(rt), "--health-port", "0", "--side-channel-port", "0", "--ready-file",
-                                  str(ready), "--log-format", "json", *extra])
+                                  str(ready), "--log-format", "json", *where, *extra], on=on)
         _prioritize(proc.popen.pid)
         self._wait(proc, lambda: ready.exists(), 60, interval=0.05)  # restarts are timed: poll finely
         proc.info = json.loads(ready.read_text())
-        proc.url = f"http://127.0.0.1:{proc.info['health_port']}"
+        proc.url = f"http://{on.ip if on is not None else '127.0.0.1'}:{proc.info['health_port']}"
         return proc
 
     def vllm(self, name: str, model: str, port: int = 0, *, kv_transfer_config: dict | None = None,
-             cpus: str = "", extra: tuple[str, ...] = (), timeout: float = 300) -> Proc:
+             cpus: str = "", extra: tuple[str, ...] = (), timeout: float = 300, on: Host | None = None) -> Proc:
         """A vLLM CPU OpenAI server. ``cpus`` pins its worker threads (e.g. "1"); eager
         mode because vLLM's compile cache does not reload under this torch build
         (every start would recompile for 20-45 s)."""
         port = port or free_port()
+        host = on.ip if on is not None else "127.0.0.1"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-                "--host", "127.0.0.1", "--max-model-len", "4096", "--dtype", "bfloat16", "--seed", "0",
+                "--host", host, "--max-model-len", "4096", "--dtype", "bfloat16", "--seed", "0",
                 "--enforce-eager", "--disable-log-stats", *extra]
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         env = {**VLLM_ENV, "VLLM_LOGGING_LEVEL": self.vllm_log_level}
         if cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
-        return self.server(name, argv, f"http://127.0.0.1:{port}", env=env, timeout=timeout)
+        return self.server(name, argv, f"http://{host}:{port}", env=env, timeout=timeout, on=on)
 
     def server(self, name: str, argv: list[str], url: str, *, env: dict[str, str] | None = None,
-               timeout: float = 300) -> Proc:
-        """An HTTP server process, ready once ``{url}/health`` answers 200. One that exits
+               timeout: float = 300, health: str = "/health", on: Host | None = None) -> Proc:
+        """An HTTP server process, ready once ``{url}{health}`` answers 200. One that exits
         on its own during start-up is started once more; one that was stopped is not."""
         for attempt in (1, 2):
-            proc = self._spawn(name, argv, env)
+            proc = self._spawn(name, argv, env, on=on)
             proc.url = url
             try:
-                self._wait(proc, lambda: _ok(f"{url}/health"), timeout)
+                self._wait(proc, lambda: _ok(f"{url}{health}"), timeout)
                 return proc
             except Stopped:
                 raise
@@ -196,19 +212,20 @@ class Stack:
         raise AssertionError("unreachable")
 
     def proxy(self, name: str, prefill: list[Proc], prefill_daemons: list[Proc], decode: list[Proc],
-              port: int = 0) -> Proc:
+              port: int = 0, on: Host | None = None, extra: tuple[str, ...] = ()) -> Proc:
         """``pushsvc proxy``; ``prefill_daemons`` empty: it learns P's daemons from P's answers."""
         port = port or free_port()
-        argv = [sys.executable, "-m", "pushsvc", "proxy", "--port", str(port), "--host", "127.0.0.1",
-                "--log-format", "json"]
+        host = on.ip if on is not None else "127.0.0.1"
+        argv = [sys.executable, "-m", "pushsvc", "proxy", "--port", str(port), "--host", host,
+                "--log-format", "json", *extra]
         for p in prefill:
             argv += ["--prefill", p.url]
         for d in prefill_daemons:
             argv += ["--prefill-daemon", d.url]
         for d in decode:
             argv += ["--decode", d.url]
-        proc = self._spawn(name, argv)
-        proc.url = f"http://127.0.0.1:{port}"
+        proc = self._spawn(name, argv, on=on)
+        proc.url = f"http://{host}:{port}"
         self._wait(proc, lambda: _ok(f"{proc.url}/healthz"), 60)
         return proc
 

@@ -62,12 +62,14 @@ def daemon_config(runtime_dir: str, engine_id: str, **overrides: Any) -> Config:
 
 
 @contextlib.asynccontextmanager
-async def running_daemon(engine: FakeEngine, engine_id: str, *, devmem: Any = None,
+async def running_daemon(engine: FakeEngine, engine_id: str, *, devmem: Any = None, notifier: Any = None,
                          **overrides: Any) -> AsyncIterator[Daemon]:
     """A started daemon with its runtime dir under a short /tmp path; shut down on exit.
-    ``devmem``: the device memory it gets (``devmem.fake``), none by default."""
+    ``devmem``: the device memory it gets (``devmem.fake``), none by default; ``notifier``:
+    its service-manager notifier (``sdnotify``), the daemon's inert default if None."""
     base = tempfile.mkdtemp(prefix="ps")
-    daemon = Daemon(daemon_config(f"{base}/rt", engine_id, **overrides), engine=engine, devmem=devmem)
+    extra = {"notifier": notifier} if notifier is not None else {}
+    daemon = Daemon(daemon_config(f"{base}/rt", engine_id, **overrides), engine=engine, devmem=devmem, **extra)
     try:
         await daemon.startup()
         yield daemon

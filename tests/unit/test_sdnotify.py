@@ -19,14 +19,14 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import structlog
-from daemon_fixtures import WAIT_S, Worker, daemon_config
+from daemon_fixtures import WAIT_S, Worker, running_daemon
 
 from pushsvc.engine.fake import FakeEngine
 from pushsvc.sdnotify import Notifier, notify_address, watchdog_interval
@@ -108,18 +108,10 @@ def notify_socket(abstract: bool = False) -> Iterator[NotifySocket]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-@asynccontextmanager
-async def notified_daemon(env: dict[str, str]) -> AsyncIterator[Daemon]:
+def notified_daemon(env: dict[str, str]) -> AbstractAsyncContextManager[Daemon]:
     """A real daemon whose notifier is read from ``env``, as ``pushsvc serve`` reads it from
     its environment; shut down on exit unless the test already did."""
-    base = tempfile.mkdtemp(prefix="ps")
-    daemon = Daemon(daemon_config(f"{base}/rt", "notified"), engine=FakeEngine(), notifier=Notifier.from_env(env))
-    try:
-        await daemon.startup()
-        yield daemon
-    finally:
-        await daemon.shutdown()
-        shutil.rmtree(base, ignore_errors=True)
+    return running_daemon(FakeEngine(), "notified", notifier=Notifier.from_env(env))
 
 
 # ---------------------------------------------------------------- the environment
