@@ -29,7 +29,7 @@ from pathlib import Path
 import attribution
 from procstats import CpuMeter, total
 
-from pushsvc.launch import Proc, Stack, connector_config, free_port
+from pushsvc.launch import Host, Proc, Stack, connector_config, free_port
 from pushsvc.loadgen.client import run_batch
 from pushsvc.loadgen.prompts import Prompt
 from pushsvc.loadgen.stats import summarize
@@ -52,8 +52,8 @@ class BenchStack(Stack):
         super().__init__(*args, **kwargs)
         self.env_for: dict[str, dict[str, str]] = {}
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-        return super()._spawn(name, argv, {**(env or {}), **self.env_for.get(name, {})})
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, on: Host | None = None) -> Proc:
+        return super()._spawn(name, argv, {**(env or {}), **self.env_for.get(name, {})}, on=on)
 
 
 @dataclass

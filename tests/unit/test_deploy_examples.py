@@ -117,3 +117,33 @@ def test_sidecar_points_vllms_connector_at_the_daemons_socket() -> None:
     assert config["kv_connector"] == "PushsvcConnector" and config["kv_connector_module_path"] == "pushsvc_connector"
     daemon_env = {v["name"]: v.get("value") for v in _container(pod, "pushsvc")["env"]}
     assert config["kv_connector_extra_config"] == {"daemon_socket": daemon_env["PUSHSVC_SOCKET_PATH"]}
+
+
+@pytest.mark.parametrize("version", ["1.30.0", "1.37.0"])
+def test_sidecar_is_a_valid_kubernetes_object(version: str) -> None:
+    """Against the Kubernetes API schemas of the oldest and the newest release we name, with
+    unknown fields refused (strict): a misspelt field would be dropped by the API server."""
+    import kubernetes_validate
+
+    yaml = pytest.importorskip("yaml")
+    docs = [d for d in yaml.safe_load_all(SIDECAR.read_text()) if d]
+    assert docs and all(d["kind"] == "Pod" for d in docs)
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_schema_check_catches_a_misspelt_probe() -> None:
+    import kubernetes_validate
+
+    pod = _sidecar()
+    daemon = _container(pod, "pushsvc")
+    daemon["livenesProbe"] = daemon.pop("livenessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pod, "1.37.0", strict=True)
+
+
+def test_sidecar_probes_the_daemons_health_endpoint() -> None:
+    """Started, ready and alive by the daemon's own open probes (no token needed)."""
+    daemon = _container(_sidecar(), "pushsvc")
+    paths = {kind: daemon[kind]["httpGet"]["path"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert paths == {"startupProbe": "/readyz", "readinessProbe": "/readyz", "livenessProbe": "/healthz"}
