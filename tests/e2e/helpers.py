@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pushsvc.launch import Proc, Stack
+from pushsvc.launch import Host, Proc, Stack
 
 T = TypeVar("T")
 
@@ -182,11 +182,12 @@ class E2EStack(Stack):
     ``vllm:kv_cache_usage_perc`` and ``vllm:prefix_cache_hits`` from /metrics, which
     ``--disable-log-stats`` removes) and the dev endpoints (``/pause`` and ``/resume``)."""
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+               on: Host | None = None) -> Proc:
         if "vllm.entrypoints.openai.api_server" in argv:
             argv = [a for a in argv if a != "--disable-log-stats"]
             env = {**(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
-        return super()._spawn(name, argv, env)
+        return super()._spawn(name, argv, env, on=on)
 
 
 @dataclass(frozen=True)

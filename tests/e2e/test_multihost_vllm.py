@@ -1,0 +1,186 @@
+"""End to end across hosts: P, two Ds and the proxy each on a host of its own.
+
+The hosts are network namespaces on a bridge, each process also in an IPC namespace of
+its own (``netns.py``): nothing but TCP between them. The daemons listen off loopback, so
+they run as an operator would run them between hosts: the side channel authenticated by
+a shared secret, the peers they may dial restricted to the hosts' network, the health
+endpoint behind a bearer token. The proxy is given only vLLM's URLs and learns P's daemon
+from P's answers. Then one D host dies (every process on it, SIGKILL): P frees what it
+held for that D, and the proxy sends later requests to the other D.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import kept_on_failure
+from helpers import (
+    WATCHDOG_S,
+    E2EStack,
+    Outcome,
+    Req,
+    assert_like_colocated,
+    build_requests,
+    completion,
+    generate,
+    generate_all,
+    get_json,
+    metric,
+    scrape,
+    text_with_tokens,
+    wait_for,
+)
+from netns import Host, Hosts
+
+from pushsvc.launch import Proc, connector_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PEER_TIMEOUT_S = 5.0  # the daemons' default peer timeout: a dead host is noticed within it
+P_LEASE_S = 10.0  # P's blocks no D claimed are released after this
+SETTLE_S = 30.0
+
+
+def _secret_file(path: Path, text: str) -> str:
+    path.write_text(text)
+    path.chmod(0o400)
+    return str(path)
+
+
+@dataclass
+class Cluster:
+    hosts: Hosts
+    stack: E2EStack
+    refs: dict[str, Outcome]
+    reqs: list[Req]
+    auth: dict[str, str]
+    prefill_daemon: Proc
+    decode_daemons: dict[str, Proc]
+    prefill: Proc
+    decodes: dict[str, Proc]
+    proxy: Proc
+    model: str
+    tokenizer: Any
+
+    def logs(self, n: int = 30) -> str:
+        return "\n".join(f"--- {p.name} ({p.log})\n{p.tail(n)}" for p in self.stack.procs)
+
+    def daemon_metric(self, daemon: Proc, name: str, **labels: str) -> float:
+        return metric(scrape(daemon.url, self.auth), name, **labels) or 0.0
+
+    def tables(self, daemon: Proc) -> dict[str, int]:
+        return get_json(f"{daemon.url}/v1/info", headers=self.auth)["tables"]
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        pytest.fail("the multi-host test builds network namespaces: it needs root", pytrace=False)
+    reqs = build_requests(tokenizer, model_path).outputs
+    with kept_on_failure(request) as workdir, E2EStack(workdir, progress=print) as st, \
+            Hosts(["p", "d1", "d2", "proxy"]) as hosts:
+        colocated = st.vllm("vllm-colocated", model_path)
+        refs = generate_all(colocated.url, reqs)
+        bad = {r.name: str(refs[r.name]) for r in reqs if not refs[r.name].ok}
+        assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
+        st.stop(colocated)
+
+        secret = _secret_file(workdir / "side-channel.secret", secrets.token_urlsafe(32))
+        token_text = secrets.token_hex(16)
+        token = _secret_file(workdir / "health.token", token_text)
+
+        def daemon(name: str, host: Host, *timers: str) -> Proc:
+            return st.daemon(name, "--side-channel-host", host.ip, "--advertised-host", host.ip,
+                             "--side-channel-secret-file", secret, "--allowed-peer-host", hosts.network,
+                             "--health-token-file", token, "--verify", *timers, on=host)
+
+        pdaemon = daemon("prefill", hosts["p"], "--lease-s", str(P_LEASE_S))
+        ddaemons = {name: daemon(f"decode-{name}", hosts[name], "--watchdog-s", str(WATCHDOG_S))
+                    for name in ("d1", "d2")}
+        prefill = st.vllm("vllm-p", model_path, kv_transfer_config=connector_config("kv_producer", pdaemon),
+                          cpus="0", on=hosts["p"])
+        decodes = {name: st.vllm(f"vllm-{name}", model_path,
+                                 kv_transfer_config=connector_config("kv_consumer", ddaemons[name]), cpus="1",
+                                 on=hosts[name]) for name in ("d1", "d2")}
+        proxy = st.proxy("proxy", prefill=[prefill], prefill_daemons=[], decode=list(decodes.values()),
+                         on=hosts["proxy"], extra=("--health-interval-s", "1"))
+        yield Cluster(hosts, st, refs, reqs, {"Authorization": f"Bearer {token_text}"}, pdaemon, ddaemons,
+                      prefill, decodes, proxy, model_path, tokenizer)
+
+
+def test_daemons_off_loopback_refuse_what_is_not_authenticated(cluster: Cluster) -> None:
+    """What listens beyond loopback asks for credentials: the health endpoint's data
+    behind the token (probes stay open), the side channel behind the secret."""
+    from helpers import http_get
+
+    status, _ = http_get(f"{cluster.prefill_daemon.url}/v1/info")
+    assert status == 401
+    assert http_get(f"{cluster.prefill_daemon.url}/readyz")[0] == 200
+    info = get_json(f"{cluster.prefill_daemon.url}/v1/info", headers=cluster.auth)
+    assert info["side_channel_host"] == cluster.hosts["p"].ip
+
+
+def test_outputs_match_colocated_across_hosts(cluster: Cluster) -> None:
+    """Every prompt's KV went from P's host to a D's host over TCP, authenticated, checked
+    byte for byte (verify mode), and both Ds took part."""
+    done_before = cluster.daemon_metric(cluster.prefill_daemon, "pushsvc_transfers_total", result="done")
+    got = generate_all(cluster.proxy.url, cluster.reqs, concurrency=8)
+    assert_like_colocated(got, cluster.refs, cluster.reqs, "the proxy on its own host", cluster.logs)
+    wait_for("P daemon's completed pushes",
+             lambda: cluster.daemon_metric(cluster.prefill_daemon, "pushsvc_transfers_total", result="done")
+             - done_before, lambda n: n >= len(cluster.reqs), SETTLE_S)
+    identical = {name: cluster.daemon_metric(d, "pushsvc_verify_total", result="identical")
+                 for name, d in cluster.decode_daemons.items()}
+    assert sum(identical.values()) == len(cluster.reqs) and all(identical.values()), identical
+    for daemon in (cluster.prefill_daemon, *cluster.decode_daemons.values()):
+        peers = get_json(f"{daemon.url}/v1/info", headers=cluster.auth)["peers"]
+        assert peers and all(p.get("authenticated") for p in peers), peers
+
+
+def test_a_dead_d_host_frees_ps_blocks_and_the_proxy_routes_around_it(cluster: Cluster) -> None:
+    """Requests in flight on D1 when its host dies may fail. What P holds for D1 (its
+    registrations, its WRITEs) goes once P's daemon sees D1 gone (the peer timeout); P's
+    blocks that no D had claimed yet (D1 died before its registration left) go at P's
+    lease, the only bound there is for blocks nobody asked for. Requests after that all
+    succeed, on D2."""
+    long = [completion(f"dead-{i}", cluster.model, text_with_tokens(cluster.tokenizer, 1200, seed=8100 + i))
+            for i in range(6)]
+    with ThreadPoolExecutor(len(long)) as pool:
+        futures = [pool.submit(generate, cluster.proxy.url, r) for r in long]
+        wait_for("requests registered at P", lambda: cluster.tables(cluster.prefill_daemon),
+                 lambda t: sum(t.values()) > 0, SETTLE_S, interval=0.05)
+        killed = cluster.hosts["d1"].kill_all()
+        assert killed, "no process on D1's host"
+        dead_at = time.monotonic()
+        outcomes = [f.result(timeout=120) for f in futures]
+    wait_for("P to let go of D1's registrations and WRITEs", lambda: cluster.tables(cluster.prefill_daemon),
+             lambda t: t["p_registrations"] == 0 and t["p_writing"] == 0, PEER_TIMEOUT_S + 5)
+    held_for_d1 = time.monotonic() - dead_at
+    unclaimed = cluster.tables(cluster.prefill_daemon)["p_staged"]
+    wait_for("P daemon's tables empty", lambda: cluster.tables(cluster.prefill_daemon),
+             lambda t: not any(t.values()), P_LEASE_S + 5)
+    print(f"D1's host died: P let go of what D1 held after {held_for_d1:.1f} s, {unclaimed} unclaimed "
+          f"blocks at the lease, everything after {time.monotonic() - dead_at:.1f} s")
+    wait_for("P's vLLM KV cache back to idle", lambda: metric(scrape(cluster.prefill.url),
+                                                               "vllm:kv_cache_usage_perc"),
+             lambda v: v == 0.0, SETTLE_S)
+    print(f"requests in flight when D1's host died: {sum(o.ok for o in outcomes)} of {len(outcomes)} finished")
+    # The proxy's health check takes D1 out; from then on every request goes to D2.
+    wait_for("the proxy to see D1 down",
+             lambda: metric(scrape(cluster.proxy.url), "pushsvc_proxy_backend_healthy", role="decode",
+                            backend=cluster.decodes["d1"].url), lambda v: v == 0.0, 10)
+    served_before = cluster.daemon_metric(cluster.decode_daemons["d2"], "pushsvc_verify_total", result="identical")
+    later = cluster.reqs[:8]
+    got = generate_all(cluster.proxy.url, later, concurrency=4)
+    assert_like_colocated(got, cluster.refs, later, "the proxy with D1's host dead", cluster.logs)
+    wait_for("D2's verified pushes", lambda: cluster.daemon_metric(cluster.decode_daemons["d2"],
+                                                                    "pushsvc_verify_total", result="identical")
+             - served_before, lambda n: n >= len(later), SETTLE_S)
