@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pushsvc.logging import get_logger
 from pushsvc.proxy import legs
+from pushsvc.proxy.affinity import PrefixMap, prefix_keys, prompt_text
 from pushsvc.proxy.backends import (
     DECODE,
     PREFILL,
@@ -115,6 +116,7 @@ class Proxy:
              for url, daemon in zip(config.prefill, config.prefill_daemon or [None] * len(config.prefill))]
         )
         self.decode = BackendPool([Backend(url, DECODE) for url in config.decode])
+        self.prefixes: PrefixMap[Backend] = PrefixMap()
         self.metrics = ProxyMetrics()
         self.infos = DaemonInfoCache(self._fetch_coordinates)
         self._session: aiohttp.ClientSession | None = None
@@ -203,7 +205,7 @@ class Proxy:
             return error_response(400, str(exc), "invalid_request_error", request_id)
         headers = {legs.REQUEST_ID_HEADER: request_id, hdrs.CONTENT_TYPE: "application/json", **_auth(request)}
         transfer_id = legs.mint_transfer_id()
-        prefill, decode = self.prefill.pick(), self.decode.pick()
+        prefill, decode = self._pick_prefill(endpoint, body), self.decode.pick()
         log = _log.bind(request_id=request_id, transfer_id=transfer_id, endpoint=endpoint)
         ex = Exchange(request_id, transfer_id, endpoint, body, prefill, decode, headers, log, started)
         status = 499  # unless a response is returned below: the client left
@@ -415,6 +417,21 @@ class Proxy:
         self.infos.invalidate(ex.prefill)
         return error_response(err.status, err.message, err.type, ex.request_id)
 
+    def _pick_prefill(self, endpoint: str, body: dict[str, Any]) -> Backend:
+        """Least outstanding, or the P that took this prompt's start while it is not much
+        busier (``affinity.py``); that P then holds the prompt's prefixes."""
+        slack = self.config.prefix_affinity_slack
+        if slack < 0 or len(self.prefill.backends) == 1:
+            return self.prefill.pick()
+        keys = prefix_keys(prompt_text(endpoint, body))
+        preferred = self.prefixes.lookup(keys)
+        backend = self.prefill.pick(preferred, slack)
+        result = "short" if not keys else "miss" if preferred is None else "hit" if backend is preferred \
+            else "overloaded"
+        self.metrics.prefix_affinity.labels(result).inc()
+        self.prefixes.remember(keys, backend)
+        return backend
+
     def _count_failure(self, err: UpstreamError, backend: Backend, log: Any, phase: str) -> None:
         self.metrics.backend_errors.labels(err.leg, err.kind).inc()
         log.warning("backend_failed", phase=phase, backend=backend.url, kind=err.kind, status=err.status,
@@ -449,6 +466,7 @@ class Proxy:
         if problem:
             if backend.healthy:
                 _log.warning("backend_unhealthy", phase="probe", backend=backend.url, error=problem)
+                self.prefixes.forget(backend)  # back, it is a new process with an empty cache
             backend.mark_failed(problem)
         else:
             if not backend.healthy:

@@ -61,11 +61,13 @@ class BackendPool:
         self.backends = backends
         self._next = 0  # where the round-robin scan for ties starts
 
-    def pick(self) -> Backend:
+    def pick(self, preferred: Backend | None = None, slack: int = 0) -> Backend:
         """Choose a backend and count the request against it; pair with ``release``.
 
         Unhealthy backends are skipped while a healthy one exists; if none is, all are
-        candidates, so a request can still discover that a backend came back.
+        candidates, so a request can still discover that a backend came back. A
+        ``preferred`` candidate (prefix affinity) is taken while it has at most ``slack``
+        requests more outstanding than the least busy candidate.
         """
         n = len(self.backends)
         any_healthy = self.any_healthy()
@@ -79,7 +81,11 @@ class BackendPool:
             if best is None or backend.outstanding < best.outstanding:
                 best, best_index = backend, index
         assert best is not None
-        self._next = (best_index + 1) % n
+        if (preferred is not None and preferred is not best and preferred in self.backends
+                and (preferred.healthy or not any_healthy) and preferred.outstanding <= best.outstanding + slack):
+            best = preferred
+        else:
+            self._next = (best_index + 1) % n
         best.outstanding += 1
         return best
 

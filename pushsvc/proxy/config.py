@@ -46,6 +46,10 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # On shutdown, in-flight requests get this long before their backend legs are closed.
     drain_timeout_s: float = 10.0
     max_body_bytes: int = 32 * MiB
+    # Prefix affinity (proxy/affinity.py): a prompt goes to the P that last took one starting
+    # the same way while that P has at most this many requests more in flight than the least
+    # busy one; -1 turns it off (least outstanding alone).
+    prefix_affinity_slack: int = 2
     log_format: str = "auto"
     log_level: str = "info"
 
@@ -77,6 +81,8 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(name, f"must be positive, got {value}")
+        if self.prefix_affinity_slack < -1:
+            raise ConfigError("prefix_affinity_slack", f"must be -1 (off) or >= 0, got {self.prefix_affinity_slack}")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError("log_format", f"must be one of {sorted(LOG_FORMATS)}")
         if self.log_level not in LOG_LEVELS:

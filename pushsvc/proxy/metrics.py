@@ -42,6 +42,14 @@ class ProxyMetrics:
         for leg in ("prefill", "decode", "daemon", "models"):
             for kind in ("connect", "timeout", "status", "disconnect", "protocol"):
                 self.backend_errors.labels(leg, kind)
+        self.prefix_affinity = Counter(
+            "pushsvc_proxy_prefix_affinity",
+            "Prefill picks by prefix affinity: hit (sent to the P that took the prompt's start), "
+            "overloaded (that P was too busy), miss (no P known for it), short (no whole chunk of prompt)",
+            ["result"], registry=r,
+        )
+        for result in ("hit", "overloaded", "miss", "short"):
+            self.prefix_affinity.labels(result)
         self.request_id_refused = Counter(
             "pushsvc_proxy_request_id_refused",
             "Client requests answered 400 for their X-Request-Id before any backend saw them, by reason "
