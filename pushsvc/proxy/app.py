@@ -43,6 +43,7 @@ from pushsvc.proxy.config import ProxyConfig
 from pushsvc.proxy.legs import PrefillCoordinates
 from pushsvc.proxy.metrics import PHASES, ProxyMetrics
 from pushsvc.proxy.upstream import (
+    CONNECT,
     PROTOCOL,
     UpstreamError,
     fetch_coordinates,
@@ -84,6 +85,9 @@ class Exchange:
     # Seconds since ``started`` of each moment of the exchange (the proxy's side of a
     # request's timeline, docs/proxy.md), each recorded at its first time.
     moments: dict[str, float] = field(default_factory=dict)
+    # Why P's leg could not connect, if that is how the exchange failed: P got nothing and
+    # neither did the client, so another P may take the request (``_generate``).
+    prefill_unreachable: str = ""
 
     def mark(self, moment: str) -> None:
         self.moments.setdefault(moment, time.monotonic() - self.started)
@@ -210,7 +214,21 @@ class Proxy:
         ex = Exchange(request_id, transfer_id, endpoint, body, prefill, decode, headers, log, started)
         status = 499  # unless a response is returned below: the client left
         try:
-            response = await self._exchange(request, ex)
+            attempts = len(self.prefill.backends)
+            for attempt in range(1, attempts + 1):
+                response = await self._exchange(request, ex)
+                if not ex.prefill_unreachable or attempt == attempts or not self.prefill.any_healthy():
+                    break
+                # P refused the connection (a P taken out before the probe saw it): it got
+                # nothing, nor did the client, and D's leg is closed (D let go of its
+                # registration). Another P takes the request, with a new match key.
+                self.metrics.prefill_retries.inc()
+                log.warning("prefill_retry", backend=prefill.url, attempt=attempt, error=ex.prefill_unreachable)
+                self.decode.release(decode)
+                transfer_id = legs.mint_transfer_id()
+                prefill, decode = self._pick_prefill(endpoint, body), self.decode.pick()
+                log = _log.bind(request_id=request_id, transfer_id=transfer_id, endpoint=endpoint)
+                ex = Exchange(request_id, transfer_id, endpoint, body, prefill, decode, headers, log, started)
             status = response.status
             return response
         except asyncio.CancelledError:
@@ -415,6 +433,8 @@ class Proxy:
     def _fail(self, ex: Exchange, err: UpstreamError) -> web.Response:
         # Even when D failed: a D that cannot reach P's daemon may have stale coordinates.
         self.infos.invalidate(ex.prefill)
+        if err.leg == PREFILL and err.kind == CONNECT:
+            ex.prefill_unreachable = err.message
         return error_response(err.status, err.message, err.type, ex.request_id)
 
     def _pick_prefill(self, endpoint: str, body: dict[str, Any]) -> Backend:
@@ -438,6 +458,7 @@ class Proxy:
                     error=err.message)
         if err.unreachable:
             backend.mark_failed(err.message)
+            self.prefixes.forget(backend)  # when it is back, it is a new process with an empty cache
         if backend.role == PREFILL:
             # P (or its daemon) may have restarted with another engine id or port.
             self.infos.invalidate(backend)

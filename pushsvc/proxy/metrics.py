@@ -42,6 +42,11 @@ class ProxyMetrics:
         for leg in ("prefill", "decode", "daemon", "models"):
             for kind in ("connect", "timeout", "status", "disconnect", "protocol"):
                 self.backend_errors.labels(leg, kind)
+        self.prefill_retries = Counter(
+            "pushsvc_proxy_prefill_retries",
+            "Exchanges sent to another P because the first refused the connection (nothing had been sent)",
+            registry=r,
+        )
         self.prefix_affinity = Counter(
             "pushsvc_proxy_prefix_affinity",
             "Prefill picks by prefix affinity: hit (sent to the P that took the prompt's start), "

@@ -1,11 +1,11 @@
-"""Prefix affinity (proxy/affinity.py): prompts that start alike go to the P whose prefix
-cache holds that start, bounded by load; short prompts and a busy or lost P fall back to
-least outstanding."""
+"""Choosing the P: prefix affinity (proxy/affinity.py), prompts that start alike go to the
+P whose prefix cache holds that start, bounded by load (short prompts and a busy or lost P
+fall back to least outstanding); and a P that refuses the connection hands the request on."""
 
 from __future__ import annotations
 
 import pytest
-from proxy_standins import COMPLETION, cluster
+from proxy_standins import COMPLETION, closed_port_url, cluster, outstanding, transfer_id_of, wait_until
 
 from pushsvc.proxy.affinity import CHUNK, MAX_CHUNKS, PrefixMap, prefix_keys, prompt_text
 from pushsvc.proxy.backends import PREFILL, Backend, BackendPool
@@ -84,3 +84,36 @@ async def test_affinity_off_balances_by_outstanding_alone() -> None:
             status, _, _ = await c.post("/v1/completions", {**COMPLETION, "prompt": LONG_A})
             assert status == 200
         assert [len(p.received) for p in c.prefill] == [2, 2]  # ties go round robin
+
+
+@pytest.mark.parametrize("daemons", ["given", "learned"])
+@pytest.mark.asyncio
+async def test_a_p_that_refuses_the_connection_hands_the_request_to_another(daemons: str) -> None:
+    """A P taken out before the probe noticed: its leg cannot connect, so nothing reached it
+    and nothing reached the client; the exchange runs again on the other P, with a new match
+    key, and D's first leg (if it was sent) is closed."""
+    config = {"prefill_daemon": []} if daemons == "learned" else {}
+    async with cluster(n_prefill=2, **config) as c:
+        gone = c.server.proxy.prefill.backends[0]
+        gone.url = closed_port_url()
+        status, _, doc = await c.post("/v1/completions", COMPLETION)
+        assert status == 200 and doc["choices"][0]["text"] == "from d0"
+        assert len(c.prefill[1].received) == 1 and not gone.healthy
+        keys = [transfer_id_of(r.body) for r in c.d.received]
+        assert keys[-1] == transfer_id_of(c.prefill[1].received[0].body)
+        assert len(set(keys)) == len(keys), "a retried exchange carries a new match key"
+        assert 'pushsvc_proxy_prefill_retries_total 1.0' in await c.metrics()
+        await wait_until(lambda: outstanding(c) == [0, 0, 0])
+        status, _, _ = await c.post("/v1/completions", COMPLETION)  # the probe's verdict stands: no retry
+        assert status == 200 and len(c.prefill[1].received) == 2
+        assert 'pushsvc_proxy_prefill_retries_total 1.0' in await c.metrics()
+
+
+@pytest.mark.asyncio
+async def test_with_every_p_unreachable_the_client_gets_one_502() -> None:
+    async with cluster(n_prefill=2) as c:
+        for backend in c.server.proxy.prefill.backends:
+            backend.url = closed_port_url()
+        status, _, doc = await c.post("/v1/completions", COMPLETION)
+        assert status == 502 and "unreachable" in doc["error"]["message"]
+        assert 'pushsvc_proxy_prefill_retries_total 1.0' in await c.metrics()  # tried the other once
