@@ -1,12 +1,14 @@
-"""End to end across hosts: P, two Ds and the proxy each on a host of its own.
+"""End to end across hosts: two Ps, two Ds and the proxy each on a host of its own.
 
 The hosts are network namespaces on a bridge, each process also in an IPC namespace of
 its own (``netns.py``): nothing but TCP between them. The daemons listen off loopback, so
 they run as an operator would run them between hosts: the side channel authenticated by
 a shared secret, the peers they may dial restricted to the hosts' network, the health
 endpoint behind a bearer token. The proxy is given only vLLM's URLs and learns P's daemon
-from P's answers. Then one D host dies (every process on it, SIGKILL): P frees what it
-held for that D, and the proxy sends later requests to the other D.
+from P's answers. The proxy sends a prompt that starts like an earlier one to the P that
+computed that start (its prefix cache hits). Then one D host dies (every process on it,
+SIGKILL): P frees what it held for that D, and the proxy sends later requests to the
+other D.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PEER_TIMEOUT_S = 5.0  # the daemons' default peer timeout: a dead host is noticed within it
 P_LEASE_S = 10.0  # P's blocks no D claimed are released after this
+CPUS = {"p1": "0", "p2": "1", "d1": "0", "d2": "1"}  # two engines per core
 SETTLE_S = 30.0
 
 
@@ -62,9 +65,9 @@ class Cluster:
     refs: dict[str, Outcome]
     reqs: list[Req]
     auth: dict[str, str]
-    prefill_daemon: Proc
+    prefill_daemons: dict[str, Proc]
     decode_daemons: dict[str, Proc]
-    prefill: Proc
+    prefills: dict[str, Proc]
     decodes: dict[str, Proc]
     proxy: Proc
     model: str
@@ -79,6 +82,17 @@ class Cluster:
     def tables(self, daemon: Proc) -> dict[str, int]:
         return get_json(f"{daemon.url}/v1/info", headers=self.auth)["tables"]
 
+    def pushes_done(self) -> float:
+        return sum(self.daemon_metric(d, "pushsvc_transfers_total", result="done")
+                   for d in self.prefill_daemons.values())
+
+    def start_prefill(self, name: str, model: str, port: int = 0) -> Proc:
+        proc = self.stack.vllm(f"vllm-{name}", model, port,
+                               kv_transfer_config=connector_config("kv_producer", self.prefill_daemons[name]),
+                               cpus=CPUS[name], on=self.hosts[name])
+        self.prefills[name] = proc
+        return proc
+
 
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> Iterator[Cluster]:
@@ -86,7 +100,7 @@ def cluster(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> 
         pytest.fail("the multi-host test builds network namespaces: it needs root", pytrace=False)
     reqs = build_requests(tokenizer, model_path).outputs
     with kept_on_failure(request) as workdir, E2EStack(workdir, progress=print) as st, \
-            Hosts(["p", "d1", "d2", "proxy"]) as hosts:
+            Hosts(["p1", "p2", "d1", "d2", "proxy"]) as hosts:
         colocated = st.vllm("vllm-colocated", model_path)
         refs = generate_all(colocated.url, reqs)
         bad = {r.name: str(refs[r.name]) for r in reqs if not refs[r.name].ok}
@@ -102,18 +116,20 @@ def cluster(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> 
                              "--side-channel-secret-file", secret, "--allowed-peer-host", hosts.network,
                              "--health-token-file", token, "--verify", *timers, on=host)
 
-        pdaemon = daemon("prefill", hosts["p"], "--lease-s", str(P_LEASE_S))
+        pdaemons = {name: daemon(f"prefill-{name}", hosts[name], "--lease-s", str(P_LEASE_S))
+                    for name in ("p1", "p2")}
         ddaemons = {name: daemon(f"decode-{name}", hosts[name], "--watchdog-s", str(WATCHDOG_S))
                     for name in ("d1", "d2")}
-        prefill = st.vllm("vllm-p", model_path, kv_transfer_config=connector_config("kv_producer", pdaemon),
-                          cpus="0", on=hosts["p"])
-        decodes = {name: st.vllm(f"vllm-{name}", model_path,
-                                 kv_transfer_config=connector_config("kv_consumer", ddaemons[name]), cpus="1",
-                                 on=hosts[name]) for name in ("d1", "d2")}
-        proxy = st.proxy("proxy", prefill=[prefill], prefill_daemons=[], decode=list(decodes.values()),
-                         on=hosts["proxy"], extra=("--health-interval-s", "1"))
-        yield Cluster(hosts, st, refs, reqs, {"Authorization": f"Bearer {token_text}"}, pdaemon, ddaemons,
-                      prefill, decodes, proxy, model_path, tokenizer)
+        c = Cluster(hosts, st, refs, reqs, {"Authorization": f"Bearer {token_text}"}, pdaemons, ddaemons, {}, {},
+                    None, model_path, tokenizer)  # type: ignore[arg-type]
+        for name in ("p1", "p2"):
+            c.start_prefill(name, model_path)
+        c.decodes.update({name: st.vllm(f"vllm-{name}", model_path,
+                                        kv_transfer_config=connector_config("kv_consumer", ddaemons[name]),
+                                        cpus=CPUS[name], on=hosts[name]) for name in ("d1", "d2")})
+        c.proxy = st.proxy("proxy", prefill=list(c.prefills.values()), prefill_daemons=[],
+                           decode=list(c.decodes.values()), on=hosts["proxy"], extra=("--health-interval-s", "1"))
+        yield c
 
 
 def test_daemons_off_loopback_refuse_what_is_not_authenticated(cluster: Cluster) -> None:
@@ -121,28 +137,49 @@ def test_daemons_off_loopback_refuse_what_is_not_authenticated(cluster: Cluster)
     behind the token (probes stay open), the side channel behind the secret."""
     from helpers import http_get
 
-    status, _ = http_get(f"{cluster.prefill_daemon.url}/v1/info")
+    daemon = cluster.prefill_daemons["p1"]
+    status, _ = http_get(f"{daemon.url}/v1/info")
     assert status == 401
-    assert http_get(f"{cluster.prefill_daemon.url}/readyz")[0] == 200
-    info = get_json(f"{cluster.prefill_daemon.url}/v1/info", headers=cluster.auth)
-    assert info["side_channel_host"] == cluster.hosts["p"].ip
+    assert http_get(f"{daemon.url}/readyz")[0] == 200
+    info = get_json(f"{daemon.url}/v1/info", headers=cluster.auth)
+    assert info["side_channel_host"] == cluster.hosts["p1"].ip
 
 
 def test_outputs_match_colocated_across_hosts(cluster: Cluster) -> None:
-    """Every prompt's KV went from P's host to a D's host over TCP, authenticated, checked
-    byte for byte (verify mode), and both Ds took part."""
-    done_before = cluster.daemon_metric(cluster.prefill_daemon, "pushsvc_transfers_total", result="done")
+    """Every prompt's KV went from a P's host to a D's host over TCP, authenticated, checked
+    byte for byte (verify mode), and both Ps and both Ds took part."""
+    done_before = cluster.pushes_done()
     got = generate_all(cluster.proxy.url, cluster.reqs, concurrency=8)
     assert_like_colocated(got, cluster.refs, cluster.reqs, "the proxy on its own host", cluster.logs)
-    wait_for("P daemon's completed pushes",
-             lambda: cluster.daemon_metric(cluster.prefill_daemon, "pushsvc_transfers_total", result="done")
-             - done_before, lambda n: n >= len(cluster.reqs), SETTLE_S)
+    wait_for("P daemons' completed pushes", lambda: cluster.pushes_done() - done_before,
+             lambda n: n >= len(cluster.reqs), SETTLE_S)
+    pushed = {name: cluster.daemon_metric(d, "pushsvc_transfers_total", result="done")
+              for name, d in cluster.prefill_daemons.items()}
     identical = {name: cluster.daemon_metric(d, "pushsvc_verify_total", result="identical")
                  for name, d in cluster.decode_daemons.items()}
     assert sum(identical.values()) == len(cluster.reqs) and all(identical.values()), identical
-    for daemon in (cluster.prefill_daemon, *cluster.decode_daemons.values()):
+    assert all(pushed.values()), pushed
+    for daemon in (*cluster.prefill_daemons.values(), *cluster.decode_daemons.values()):
         peers = get_json(f"{daemon.url}/v1/info", headers=cluster.auth)["peers"]
         assert peers and all(p.get("authenticated") for p in peers), peers
+
+
+def test_a_prompt_starting_like_an_earlier_one_goes_to_the_p_that_computed_that_start(cluster: Cluster) -> None:
+    """The proxy's prefix affinity: the second prompt shares the first one's first ~1000
+    tokens, lands on the same P (the proxy's metric says hit) and that P's prefix cache
+    serves the shared blocks."""
+    head = text_with_tokens(cluster.tokenizer, 1000, seed=8201)
+    first = completion("affinity-first", cluster.model, head + " " + text_with_tokens(cluster.tokenizer, 100, 8202))
+    second = completion("affinity-second", cluster.model, head + " " + text_with_tokens(cluster.tokenizer, 100, 8203))
+    hits = {name: metric(scrape(p.url), "vllm:prefix_cache_hits_total") or 0.0 for name, p in cluster.prefills.items()}
+    affinity = metric(scrape(cluster.proxy.url), "pushsvc_proxy_prefix_affinity_total", result="hit") or 0.0
+    for req in (first, second):
+        assert generate(cluster.proxy.url, req).ok
+    gained = {name: (metric(scrape(p.url), "vllm:prefix_cache_hits_total") or 0.0) - hits[name]
+              for name, p in cluster.prefills.items()}
+    assert (metric(scrape(cluster.proxy.url), "pushsvc_proxy_prefix_affinity_total", result="hit") or 0.0) \
+        == affinity + 1
+    assert max(gained.values()) >= 7 * 128, f"prefix cache hits (tokens) per P: {gained}"
 
 
 def test_a_dead_d_host_frees_ps_blocks_and_the_proxy_routes_around_it(cluster: Cluster) -> None:
@@ -155,23 +192,24 @@ def test_a_dead_d_host_frees_ps_blocks_and_the_proxy_routes_around_it(cluster: C
             for i in range(6)]
     with ThreadPoolExecutor(len(long)) as pool:
         futures = [pool.submit(generate, cluster.proxy.url, r) for r in long]
-        wait_for("requests registered at P", lambda: cluster.tables(cluster.prefill_daemon),
-                 lambda t: sum(t.values()) > 0, SETTLE_S, interval=0.05)
+        wait_for("requests registered at a P", lambda: [cluster.tables(d) for d in cluster.prefill_daemons.values()],
+                 lambda ts: any(sum(t.values()) > 0 for t in ts), SETTLE_S, interval=0.05)
         killed = cluster.hosts["d1"].kill_all()
         assert killed, "no process on D1's host"
         dead_at = time.monotonic()
         outcomes = [f.result(timeout=120) for f in futures]
-    wait_for("P to let go of D1's registrations and WRITEs", lambda: cluster.tables(cluster.prefill_daemon),
-             lambda t: t["p_registrations"] == 0 and t["p_writing"] == 0, PEER_TIMEOUT_S + 5)
+    ps = list(cluster.prefill_daemons.values())
+    wait_for("the Ps to let go of D1's registrations and WRITEs", lambda: [cluster.tables(d) for d in ps],
+             lambda ts: all(t["p_registrations"] == 0 and t["p_writing"] == 0 for t in ts), PEER_TIMEOUT_S + 5)
     held_for_d1 = time.monotonic() - dead_at
-    unclaimed = cluster.tables(cluster.prefill_daemon)["p_staged"]
-    wait_for("P daemon's tables empty", lambda: cluster.tables(cluster.prefill_daemon),
-             lambda t: not any(t.values()), P_LEASE_S + 5)
+    unclaimed = sum(cluster.tables(d)["p_staged"] for d in ps)
+    wait_for("P daemons' tables empty", lambda: [cluster.tables(d) for d in ps],
+             lambda ts: not any(any(t.values()) for t in ts), P_LEASE_S + 5)
     print(f"D1's host died: P let go of what D1 held after {held_for_d1:.1f} s, {unclaimed} unclaimed "
           f"blocks at the lease, everything after {time.monotonic() - dead_at:.1f} s")
-    wait_for("P's vLLM KV cache back to idle", lambda: metric(scrape(cluster.prefill.url),
-                                                               "vllm:kv_cache_usage_perc"),
-             lambda v: v == 0.0, SETTLE_S)
+    for name, p in cluster.prefills.items():
+        wait_for(f"{name}'s vLLM KV cache back to idle", lambda u=p.url: metric(scrape(u), "vllm:kv_cache_usage_perc"),
+                 lambda v: v == 0.0, SETTLE_S)
     print(f"requests in flight when D1's host died: {sum(o.ok for o in outcomes)} of {len(outcomes)} finished")
     # The proxy's health check takes D1 out; from then on every request goes to D2.
     wait_for("the proxy to see D1 down",
