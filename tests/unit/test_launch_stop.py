@@ -33,6 +33,9 @@ with open(starts) as f:
     again = len(f.readlines()) > 1
 if again or mode == "crash":
     sys.exit(1)
+# Python's own SIGINT handling even where it starts with SIGINT ignored (a background job
+# of a non-interactive shell, as CI may run the suite): vLLM installs its handlers too.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 if mode == "clean-sigterm":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 socket.create_connection(("127.0.0.1", port)).sendall(b"up")
