@@ -107,8 +107,7 @@ def _map_cuda(msg: wp.RegisterKV, agent: Agent, role: wp.Role, devmem: DeviceMem
         if role != "producer" and settings.landing_bytes:
             geometry = LandingGeometry.build(layout, settings.landing_bytes)
             owned.append(device.allocate(geometry.nbytes))
-            agent.register([(owned[-1].address, owned[-1].size)], "VRAM", device.ordinal)
-            landing = _landing(device, layout, geometry, owned[-1])
+            landing = _landing(agent, device, layout, geometry, owned[-1])
     except BaseException:
         for b in [*buffers, *owned]:
             b.close()
@@ -121,7 +120,9 @@ def _map_cuda(msg: wp.RegisterKV, agent: Agent, role: wp.Role, devmem: DeviceMem
     return RankMemory(buffers, list(msg.regions), layout, descs, dlist, "VRAM", device, landing, staging)
 
 
-def _landing(device: Device, layout: Layout, geometry: LandingGeometry, buffer: MappedBuffer) -> LandingMemory:
+def _landing(agent: Agent, device: Device, layout: Layout, geometry: LandingGeometry,
+             buffer: MappedBuffer) -> LandingMemory:
+    agent.register([(buffer.address, buffer.size)], "VRAM", device.ordinal)
     advertised = geometry.layout(buffer.address)
     copier = device.copier(CopyPlan.build(layout, advertised))
     return LandingMemory(buffer, geometry, advertised, copier)

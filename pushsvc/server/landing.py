@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
 
-from pushsvc.devmem.base import CopyJob
+from pushsvc.devmem.base import Copier, CopyJob
 from pushsvc.errors import DeviceError
 from pushsvc.metrics import Metrics
 from pushsvc.server.ranks import LandingMemory, Rank
@@ -30,6 +30,21 @@ log = structlog.get_logger("pushsvc.landing")
 
 # What runs when a request's copies are done: it gets the copy error ("" if none).
 Action = Callable[[str], None]
+
+
+def launch_copies(copier: Copier, regions: Sequence[int], grant: Grant, block_ids: list[list[int]],
+                  blocks_per_logical: int, into: list[CopyJob]) -> None:
+    """One launch per KV group between ``grant``'s slots and ``block_ids``, over ``regions``,
+    in the direction of ``copier``'s plan (D's landing: slots -> blocks; P's staging: blocks
+    -> slots); each job goes into ``into`` as soon as it is launched, so a DeviceError from
+    a later group leaves the earlier jobs there to be waited for."""
+    for g, ids in enumerate(block_ids):
+        first, count = copier.plan.span(regions, g) if ids else (0, 0)
+        if not count:
+            continue
+        slots = physical_blocks(np.arange(grant.starts[g], grant.starts[g] + len(ids)), blocks_per_logical)
+        blocks = physical_blocks(np.asarray(ids, dtype=np.int64), blocks_per_logical)
+        into.append(copier.gather(g, first, count, slots, blocks))
 
 
 class PartOutcome(enum.Enum):
@@ -155,18 +170,13 @@ class Landing:
         regions = part_regions(len(memory.geometry.worker.regions), parts, index)
         grant = entry.grant
         assert grant is not None
+        launched = len(entry.copies)
         try:
-            for g, ids in enumerate(entry.block_ids):
-                first, count = memory.copier.plan.span(regions, g) if ids else (0, 0)
-                if not count:
-                    continue
-                slots = physical_blocks(np.arange(grant.starts[g], grant.starts[g] + len(ids)), bpl)
-                blocks = physical_blocks(np.asarray(ids, dtype=np.int64), bpl)
-                entry.copies.append(memory.copier.gather(g, first, count, slots, blocks))
-                self._metrics.landing_copies.inc()
+            launch_copies(memory.copier, regions, grant, entry.block_ids, bpl, entry.copies)
         except DeviceError as exc:
             entry.error = str(exc)
             log.error("landing_copy_failed", request_id=entry.rid, rank=rank.number, error=entry.error)
+        self._metrics.landing_copies.inc(len(entry.copies) - launched)
         if entry.copies:
             self._copying.add((rank, entry))
 

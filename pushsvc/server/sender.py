@@ -86,8 +86,7 @@ class Sender:
         self._drain = drain  # reads the rank's queued notifications (a PUSH_REG may wait there)
         self._wake = wake
         self._ranks: dict[Rank, _RankSends] = {}
-        self.staging = Staging(metrics=metrics, current=self._current, ready=self._post,
-                               failed=lambda rank, match, peer, kind, why: self._fail_push(rank, match, peer, kind, why))
+        self.staging = Staging(metrics=metrics, current=self._current, ready=self._post, failed=self._fail_push)
 
     def _current(self, rank: Rank, match: Match) -> bool:
         state = self._ranks.get(rank)

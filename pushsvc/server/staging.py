@@ -17,15 +17,15 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import structlog
 
 from pushsvc.devmem.base import CopyJob
 from pushsvc.errors import DeviceError
 from pushsvc.metrics import Metrics
 from pushsvc.server.peers import Peer
+from pushsvc.server.landing import launch_copies
 from pushsvc.server.ranks import Rank, StagingMemory
-from pushsvc.state.landing import AllocOutcome, Grant, SlotAllocator, physical_blocks
+from pushsvc.state.landing import AllocOutcome, Grant, SlotAllocator
 from pushsvc.state.producer import Match
 
 log = structlog.get_logger("pushsvc.staging")
@@ -103,18 +103,13 @@ class Staging:
     def _copy(self, rank: Rank, state: _RankStaging, entry: _Staged) -> None:
         memory, grant = state.memory, entry.grant
         assert grant is not None
-        plan = memory.copier.plan
         bpl = rank.memory.layout.blocks_per_logical if rank.memory is not None else 1
         try:
-            for g, ids in enumerate(entry.match.block_ids):
-                first, count = plan.span(range(len(memory.layout.regions)), g) if ids else (0, 0)
-                if not count:
-                    continue
-                slots = physical_blocks(np.arange(grant.starts[g], grant.starts[g] + len(ids)), bpl)
-                entry.jobs.append(memory.copier.gather(g, first, count, slots, physical_blocks(ids, bpl)))
-                self._metrics.staging_copies.inc()
+            launch_copies(memory.copier, range(len(memory.layout.regions)), grant, entry.match.block_ids, bpl,
+                          entry.jobs)
         except DeviceError as exc:
             entry.error = str(exc)
+        self._metrics.staging_copies.inc(len(entry.jobs))
         state.copying[entry.key] = entry
 
     def poll(self, rank: Rank) -> None:
