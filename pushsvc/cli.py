@@ -246,7 +246,7 @@ def _proxy(args: argparse.Namespace) -> int:
         print(f"pushsvc: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     from pushsvc.logging import configure_logging
-    from pushsvc.proxy.app import run_proxy
+    from pushsvc.proxy.server import run_proxy
 
     configure_logging(config.log_format, config.log_level)
     return run_proxy(config)

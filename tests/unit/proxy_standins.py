@@ -22,7 +22,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from pushsvc.proxy.app import ProxyServer
+from pushsvc.proxy.server import ProxyServer
 from pushsvc.proxy.config import load_proxy_config
 from pushsvc.proxy.legs import PrefillCoordinates
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from proxy_standins import CHAT, COMPLETION, cluster, wait_until
 
-from pushsvc.proxy.app import ProxyServer
+from pushsvc.proxy.server import ProxyServer
 from pushsvc.proxy.config import ProxyConfig
 
 
