@@ -37,6 +37,7 @@ from pushsvc.proxy.backends import (
     Backend,
     BackendPool,
     DaemonInfoCache,
+    NoBackend,
 )
 from pushsvc.proxy.config import ProxyConfig
 from pushsvc.proxy.legs import PrefillCoordinates
@@ -160,7 +161,10 @@ class Proxy:
         return await self._generate(request, legs.CHAT)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        backend = self.decode.pick()
+        try:
+            backend = self.decode.pick()
+        except NoBackend as exc:
+            return self._no_backend(exc, None, "models")
         try:
             async with self.session.get(
                 f"{backend.url}/v1/models", headers=_auth(request), timeout=self._call_timeout, allow_redirects=False
@@ -186,6 +190,7 @@ class Proxy:
             for b in pool:
                 self.metrics.outstanding.labels(b.role, b.url).set(b.outstanding)
                 self.metrics.healthy.labels(b.role, b.url).set(1 if b.healthy else 0)
+                self.metrics.draining.labels(b.role, b.url).set(1 if b.draining else 0)
         return web.Response(body=self.metrics.render(), headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
 
     # ------------------------------------------------------------ the exchange
@@ -202,7 +207,10 @@ class Proxy:
             return error_response(400, str(exc), "invalid_request_error", request_id)
         headers = {legs.REQUEST_ID_HEADER: request_id, hdrs.CONTENT_TYPE: "application/json", **_auth(request)}
         transfer_id = legs.mint_transfer_id()
-        prefill, decode = self._pick_prefill(endpoint, body), self.decode.pick()
+        try:
+            prefill, decode = self._pick_pair(endpoint, body)
+        except NoBackend as exc:
+            return self._no_backend(exc, request_id, endpoint)
         log = _log.bind(request_id=request_id, transfer_id=transfer_id, endpoint=endpoint)
         ex = Exchange(request_id, transfer_id, endpoint, body, prefill, decode, headers, log, started)
         status = 499  # unless a response is returned below: the client left
@@ -215,11 +223,15 @@ class Proxy:
                 # P refused the connection (a P taken out before the probe saw it): it got
                 # nothing, nor did the client, and D's leg is closed (D let go of its
                 # registration). Another P takes the request, with a new match key.
+                try:
+                    pair = self._pick_pair(endpoint, body)
+                except NoBackend:  # drained meanwhile: the client gets P's failure
+                    break
                 self.metrics.prefill_retries.inc()
                 log.warning("prefill_retry", backend=prefill.url, attempt=attempt, error=ex.prefill_unreachable)
                 self.decode.release(decode)
                 transfer_id = legs.mint_transfer_id()
-                prefill, decode = self._pick_prefill(endpoint, body), self.decode.pick()
+                prefill, decode = pair
                 log = _log.bind(request_id=request_id, transfer_id=transfer_id, endpoint=endpoint)
                 ex = Exchange(request_id, transfer_id, endpoint, body, prefill, decode, headers, log, started)
             status = response.status
@@ -429,6 +441,20 @@ class Proxy:
         if err.leg == PREFILL and err.kind == CONNECT:
             ex.prefill_unreachable = err.message
         return error_response(err.status, err.message, err.type, ex.request_id)
+
+    def _pick_pair(self, endpoint: str, body: dict[str, Any]) -> tuple[Backend, Backend]:
+        """A P and a D for one exchange, each counted; ``NoBackend`` with neither counted."""
+        prefill = self._pick_prefill(endpoint, body)
+        try:
+            return prefill, self.decode.pick()
+        except NoBackend:
+            self.prefill.release(prefill)
+            raise
+
+    def _no_backend(self, exc: NoBackend, request_id: str | None, endpoint: str) -> web.Response:
+        self.metrics.no_backend.labels(exc.role).inc()
+        _log.warning("no_backend", request_id=request_id, endpoint=endpoint, role=exc.role)
+        return error_response(503, str(exc), "service_unavailable", request_id)
 
     def _pick_prefill(self, endpoint: str, body: dict[str, Any]) -> Backend:
         """Least outstanding, or the P that took this prompt's start while it is not much

@@ -27,6 +27,9 @@ class Backend:
     daemon_url: str | None = None
     outstanding: int = 0
     healthy: bool = True
+    # Taken out by the operator (``POST /admin/drain``): gets no new request, whatever
+    # its health, until resumed; what it has in flight finishes.
+    draining: bool = False
     last_error: str = ""
     coordinates: PrefillCoordinates | None = None  # P only: cached from the daemon or P's last answer
 
@@ -39,7 +42,8 @@ class Backend:
         self.last_error = ""
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"url": self.url, "healthy": self.healthy, "outstanding": self.outstanding}
+        out: dict[str, Any] = {"url": self.url, "healthy": self.healthy, "draining": self.draining,
+                               "outstanding": self.outstanding}
         if self.role == PREFILL:
             out["daemon_url"] = self.daemon_url
             out["engine_id"] = self.coordinates.engine_id if self.coordinates else None
@@ -48,8 +52,16 @@ class Backend:
         return out
 
     def __repr__(self) -> str:
-        state = "up" if self.healthy else "down"
+        state = ("up" if self.healthy else "down") + (" draining" if self.draining else "")
         return f"<Backend {self.role} {self.url} {state} outstanding={self.outstanding}>"
+
+
+class NoBackend(Exception):
+    """Every backend of a role is drained: nothing may take a new request."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(f"every {role} backend is drained (POST /admin/resume puts one back)")
+        self.role = role
 
 
 class BackendPool:
@@ -59,11 +71,13 @@ class BackendPool:
         if not backends:
             raise ValueError("a pool needs at least one backend")
         self.backends = backends
+        self.role = backends[0].role
         self._next = 0  # where the round-robin scan for ties starts
 
     def pick(self, preferred: Backend | None = None, slack: int = 0) -> Backend:
         """Choose a backend and count the request against it; pair with ``release``.
 
+        Drained backends are never candidates (``NoBackend`` when every one is).
         Unhealthy backends are skipped while a healthy one exists; if none is, all are
         candidates, so a request can still discover that a backend came back. A
         ``preferred`` candidate (prefix affinity) is taken while it has at most ``slack``
@@ -76,13 +90,15 @@ class BackendPool:
         for step in range(n):
             index = (self._next + step) % n
             backend = self.backends[index]
-            if any_healthy and not backend.healthy:
+            if backend.draining or (any_healthy and not backend.healthy):
                 continue
             if best is None or backend.outstanding < best.outstanding:
                 best, best_index = backend, index
-        assert best is not None
+        if best is None:
+            raise NoBackend(self.role)
         if (preferred is not None and preferred is not best and preferred in self.backends
-                and (preferred.healthy or not any_healthy) and preferred.outstanding <= best.outstanding + slack):
+                and not preferred.draining and (preferred.healthy or not any_healthy)
+                and preferred.outstanding <= best.outstanding + slack):
             best = preferred
         else:
             self._next = (best_index + 1) % n
@@ -93,7 +109,11 @@ class BackendPool:
         backend.outstanding -= 1
 
     def any_healthy(self) -> bool:
-        return any(b.healthy for b in self.backends)
+        """A backend that is healthy and takes new requests (not drained)."""
+        return any(b.healthy and not b.draining for b in self.backends)
+
+    def find(self, url: str) -> Backend | None:
+        return next((b for b in self.backends if b.url == url), None)
 
     def describe(self) -> list[dict[str, Any]]:
         return [b.describe() for b in self.backends]

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import msgspec
 from yarl import URL
 
-from pushsvc.config import LOG_FORMATS, LOG_LEVELS, translate_validation_error
+from pushsvc.config import LOG_FORMATS, LOG_LEVELS, read_secret_file, translate_validation_error
 from pushsvc.errors import ConfigError
 
 MiB = 1 << 20
@@ -50,6 +50,9 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # the same way while that P has at most this many requests more in flight than the least
     # busy one; -1 turns it off (least outstanding alone).
     prefix_affinity_slack: int = 2
+    # Bearer token of the admin endpoints (``POST /admin/drain``, ``/admin/resume``;
+    # proxy/admin.py). Without one they answer loopback clients only.
+    admin_token_file: str = ""
     log_format: str = "auto"
     log_level: str = "info"
 
@@ -83,6 +86,8 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ConfigError(name, f"must be positive, got {value}")
         if self.prefix_affinity_slack < -1:
             raise ConfigError("prefix_affinity_slack", f"must be -1 (off) or >= 0, got {self.prefix_affinity_slack}")
+        if self.admin_token_file:
+            read_secret_file(self.admin_token_file, "admin_token_file")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError("log_format", f"must be one of {sorted(LOG_FORMATS)}")
         if self.log_level not in LOG_LEVELS:

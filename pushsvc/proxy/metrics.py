@@ -86,6 +86,19 @@ class ProxyMetrics:
             "pushsvc_proxy_backend_healthy", "1 if the backend is considered healthy", ["role", "backend"],
             registry=r,
         )
+        self.draining = Gauge(
+            "pushsvc_proxy_backend_draining", "1 if the operator drained the backend (it takes no new request)",
+            ["role", "backend"], registry=r,
+        )
+        self.admin_actions = Counter(
+            "pushsvc_proxy_admin_actions_total",
+            "Calls of POST /admin/drain and /admin/resume, by result (ok, bad_request, unauthorized)",
+            ["action", "result"], registry=r,
+        )
+        self.no_backend = Counter(
+            "pushsvc_proxy_no_backend_total", "Requests answered 503 because every backend of a role is drained",
+            ["role"], registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

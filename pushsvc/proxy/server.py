@@ -12,8 +12,10 @@ from typing import Any, Self
 
 from aiohttp import hdrs, web
 
+from pushsvc.config import read_secret_file
 from pushsvc.logging import get_logger
 from pushsvc.proxy import legs
+from pushsvc.proxy.admin import Admin
 from pushsvc.proxy.app import Proxy, error_response
 from pushsvc.proxy.config import ProxyConfig
 
@@ -67,6 +69,8 @@ def build_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/v1/models", proxy.models, name="models")
     app.router.add_get("/healthz", proxy.healthz, name="healthz")
     app.router.add_get("/metrics", proxy.metrics_text, name="metrics")
+    token = read_secret_file(config.admin_token_file, "admin_token_file") if config.admin_token_file else None
+    Admin([proxy.prefill, proxy.decode], proxy.metrics, token, forget=proxy.prefixes.forget).add_routes(app)
     app.on_startup.append(proxy.startup)
     app.on_cleanup.append(proxy.cleanup)
     return app
