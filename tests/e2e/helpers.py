@@ -272,9 +272,10 @@ def http_get(url: str, timeout: float = 10.0, headers: dict[str, str] | None = N
         return exc.code, exc.read().decode(errors="replace")
 
 
-def http_post(url: str, body: dict[str, Any] | None = None, timeout: float = 30.0) -> tuple[int, str]:
+def http_post(url: str, body: dict[str, Any] | None = None, timeout: float = 30.0,
+              headers: dict[str, str] | None = None) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(_request(url, body or {}, None), timeout=timeout) as r:
+        with urllib.request.urlopen(_request(url, body or {}, headers), timeout=timeout) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")
