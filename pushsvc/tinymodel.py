@@ -3,6 +3,8 @@
 ``family="gemma3"`` makes a Gemma-3 text model instead (``Gemma3ForCausalLM``): layers of
 sliding-window attention with a full-attention layer every third, which vLLM's hybrid
 KV-cache manager serves with several KV-cache groups (the hybrid KV tests use it).
+``family="deepseek_v2"`` makes a dense DeepSeek-V2 (``DeepseekV2ForCausalLM``): multi-head
+latent attention, one latent KV row per token shared by the heads (the MLA tests use it).
 
 ``ensure_tiny_model(path)`` writes a directory that vLLM (CPU) and HF transformers both load:
 ``config.json`` (LlamaForCausalLM, bf16), ``model.safetensors`` (seeded random init) and a
@@ -22,6 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+FAMILIES = ("llama", "gemma3", "deepseek_v2")
 BOS, EOS = "<s>", "</s>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 CHAT_TEMPLATE = (
@@ -131,6 +134,37 @@ def _gemma3_config(layers: int, hidden: int, heads: int, kv_heads: int, vocab: i
     }
 
 
+def _deepseek_v2_config(layers: int, hidden: int, heads: int, vocab: int) -> dict:
+    """Multi-head latent attention, every layer dense (no experts). vLLM CPU's ``CPU_MLA``
+    backend needs ``kv_lora_rank + qk_rope_head_dim == 576``."""
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "hidden_act": "silu",
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
+        "v_head_dim": 32, "head_dim": 64, "first_k_dense_replace": layers, "moe_layer_freq": 1,
+        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,  # unused: every layer is dense
+        "moe_intermediate_size": hidden, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "attention_bias": False, "tie_word_embeddings": False, "vocab_size": vocab,
+        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1,
+        "torch_dtype": "bfloat16", "dtype": "bfloat16", "initializer_range": 0.02, "use_cache": True,
+    }
+
+
+def _write_hf_weights(out: Path, cfg: dict, seed: int) -> None:
+    """Transformers' own random init of the architecture (seeded), saved in bf16."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    config_class = transformers.AutoConfig.for_model(cfg["model_type"]).__class__
+    model_class = getattr(transformers, cfg["architectures"][0])
+    model = model_class(config_class(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}))
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _write_gemma3_weights(out: Path, cfg: dict, seed: int) -> None:
     """Transformers' own random init of the architecture (seeded), saved without the
     lm_head, which Gemma-3 ties to the embeddings."""
@@ -199,10 +233,11 @@ def ensure_tiny_model(
     """
     if hidden % heads or heads % kv_heads:
         raise ValueError("hidden must divide by heads, and heads by kv_heads")
-    if family not in ("llama", "gemma3"):
-        raise ValueError(f"unknown model family {family!r} (llama, gemma3)")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r} ({', '.join(FAMILIES)})")
     dest = Path(path)
     cfg = (_gemma3_config(layers, hidden, heads, kv_heads, vocab, window) if family == "gemma3"
+           else _deepseek_v2_config(layers, hidden, heads, vocab) if family == "deepseek_v2"
            else _model_config(layers, hidden, heads, kv_heads, vocab))
 
     def check_existing() -> str:
@@ -221,7 +256,8 @@ def ensure_tiny_model(
         gen_cfg = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
         _write_tokenizer(tmp, vocab, seed)
-        (_write_gemma3_weights if family == "gemma3" else _write_weights)(tmp, cfg, seed)
+        writer = {"gemma3": _write_gemma3_weights, "deepseek_v2": _write_hf_weights}.get(family, _write_weights)
+        writer(tmp, cfg, seed)
         for f in tmp.iterdir():  # safetensors writes 0600; mkdtemp makes 0700
             f.chmod(0o644)
         tmp.chmod(0o755)
@@ -243,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {"layers": 8, "hidden": 256, "heads": 4, "kv_heads": 4, "vocab": 4096, "seed": 0}
     for name, default in sizes.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
-    ap.add_argument("--family", choices=["llama", "gemma3"], default="llama")
+    ap.add_argument("--family", choices=FAMILIES, default="llama")
     ap.add_argument("--window", type=int, default=128, help="gemma3: sliding window in tokens")
     args = vars(ap.parse_args(argv))
     print(ensure_tiny_model(args.pop("path"), **args))

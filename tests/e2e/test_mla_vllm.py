@@ -1,0 +1,151 @@
+"""End to end with multi-head latent attention (MLA): a tiny DeepSeek-V2 through P/D.
+
+vLLM CPU serves it with its ``CPU_MLA`` backend: per token one latent row (``kv_lora_rank``
+512 + ``qk_rope_head_dim`` 64 = 576 bf16 values) that every head reads, one region per layer,
+no K/V split. What the tests show:
+
+* every push is byte-identical at D (verify mode: digests of P's blocks against D's blocks
+  after the push), and a request moves exactly its blocks of latent rows;
+* where D's greedy output differs from colocated's, it differs at a near-tie: at the first
+  differing position colocated's own two best tokens are within ``NEAR_TIE`` nats of each
+  other and D took colocated's second one. D computes the prompt's last token again on the
+  pushed KV (vLLM's P/D always does); for MLA that step runs MLA's decode path (attention
+  in the latent space, the up-projections absorbed into the query and output), where
+  colocated ran the prefill path (K and V expanded from the latents): equal in exact
+  arithmetic, rounded differently in bf16. A misplaced block would instead change the
+  tokens wherever it is read, near-tie or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from conftest import kept_on_failure
+from helpers import (
+    PROMPT_LENGTHS,
+    E2EStack,
+    Outcome,
+    Req,
+    completion,
+    diverged_at,
+    generate,
+    generate_all,
+    get_json,
+    metric,
+    scrape,
+    text_with_tokens,
+    verify_results,
+    wait_for,
+    wait_tables_zero,
+)
+
+from pushsvc.launch import Proc, connector_config
+from pushsvc.tinymodel import ensure_tiny_model
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MODEL_DIR = "/tmp/pushsvc-e2e-dsv2"
+LAYERS = 4
+LATENT = 512 + 64  # kv_lora_rank + qk_rope_head_dim
+BLOCK = 16  # vLLM CPU forces 16-token blocks for MLA models
+NEAR_TIE = 0.05  # nats between colocated's two best tokens where bf16 rounding may pick either
+SETTLE_S = 15.0
+
+
+@dataclass
+class MlaPD:
+    model: str
+    tokenizer: Any
+    reqs: list[Req]
+    refs: dict[str, Outcome]
+    prefill_daemon: Proc
+    decode_daemon: Proc
+    proxy: Proc
+    stack: E2EStack
+
+    def logs(self, n: int = 30) -> str:
+        return "\n".join(f"--- {p.name} ({p.log})\n{p.tail(n)}" for p in self.stack.procs)
+
+
+def _with_logprobs(req: Req) -> Req:
+    return req.with_body(logprobs=2, return_tokens_as_token_ids=True)
+
+
+@pytest.fixture(scope="module")
+def mla(request: pytest.FixtureRequest) -> Iterator[MlaPD]:
+    from transformers import AutoTokenizer
+
+    path = ensure_tiny_model(MODEL_DIR, family="deepseek_v2", layers=LAYERS, hidden=256, heads=4)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    reqs = [_with_logprobs(completion(f"mla-{n}", path, text_with_tokens(tokenizer, n, seed=5000 + i)))
+            for i, n in enumerate(PROMPT_LENGTHS)]
+    with kept_on_failure(request) as workdir, E2EStack(workdir, progress=print, vllm_log_level="INFO") as st:
+        colocated = st.vllm("vllm-colocated", path)
+        refs = generate_all(colocated.url, reqs, concurrency=1)
+        bad = {r.name: str(refs[r.name]) for r in reqs if not refs[r.name].ok}
+        assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
+        assert "CPU_MLA" in colocated.log.read_text(errors="replace"), "vLLM did not pick its MLA backend"
+        st.stop(colocated)
+        pdaemon = st.daemon("prefill", "--verify")
+        ddaemon = st.daemon("decode", "--verify")
+        prefill = st.vllm("vllm-p", path, kv_transfer_config=connector_config("kv_producer", pdaemon), cpus="0")
+        decode = st.vllm("vllm-d", path, kv_transfer_config=connector_config("kv_consumer", ddaemon), cpus="1")
+        proxy = st.proxy("proxy", prefill=[prefill], prefill_daemons=[pdaemon], decode=[decode])
+        yield MlaPD(path, tokenizer, reqs, refs, pdaemon, ddaemon, proxy, st)
+
+
+def _done(pd: MlaPD) -> float:
+    return metric(scrape(pd.prefill_daemon.url), "pushsvc_transfers_total", result="done") or 0.0
+
+
+def _top(outcome: Outcome, position: int) -> dict[int, float]:
+    """The best tokens at ``position`` of a completion, token id -> logprob."""
+    tops = outcome.body["choices"][0]["logprobs"]["top_logprobs"][position]
+    return {int(key.removeprefix("token_id:")): lp for key, lp in tops.items()}
+
+
+def test_each_layer_is_one_region_of_latent_rows(mla: MlaPD) -> None:
+    for daemon in (mla.prefill_daemon, mla.decode_daemon):
+        agents = get_json(f"{daemon.url}/v1/info")["agents"]
+        assert [(a["kv_groups"], a["regions"]) for a in agents] == [(1, LAYERS)], agents
+    prompt_tokens = 1200
+    req = completion("mla-long", mla.model, text_with_tokens(mla.tokenizer, prompt_tokens, seed=5101))
+    before = metric(scrape(mla.prefill_daemon.url), "pushsvc_transfer_bytes_total") or 0.0
+    done_before = _done(mla)
+    out = generate(mla.proxy.url, req)
+    assert out.ok, f"{out}\n{mla.logs()}"
+    wait_for("the push", lambda: _done(mla) - done_before, lambda n: n >= 1, SETTLE_S)
+    pushed = (metric(scrape(mla.prefill_daemon.url), "pushsvc_transfer_bytes_total") or 0.0) - before
+    assert pushed == -(-prompt_tokens // BLOCK) * LAYERS * BLOCK * LATENT * 2
+
+
+def test_pushes_verify_and_d_differs_from_colocated_only_at_near_ties(mla: MlaPD) -> None:
+    verified_before = verify_results(mla.decode_daemon.url) or {}
+    got = generate_all(mla.proxy.url, mla.reqs, concurrency=1)
+    failed = {name: str(o) for name, o in got.items() if not o.ok}
+    assert not failed, f"requests failed through the proxy: {failed}\n{mla.logs()}"
+    checked = wait_for("D daemon's verified pushes",
+                       lambda: {k: v - verified_before.get(k, 0.0)
+                                for k, v in (verify_results(mla.decode_daemon.url) or {}).items()},
+                       lambda d: sum(d.values()) >= len(mla.reqs), SETTLE_S)
+    assert checked.get("identical", 0) == len(mla.reqs) == sum(checked.values()), checked
+    report, not_ties = [], {}
+    for req in mla.reqs:
+        mine, ref = got[req.name], mla.refs[req.name]
+        at = diverged_at(mine.tokens, ref.tokens)
+        if at is None:
+            continue
+        ref_top, my_top = _top(ref, at), _top(mine, at)
+        ours, theirs = mine.tokens[at], ref.tokens[at]
+        gap = ref_top[theirs] - ref_top.get(ours, float("-inf"))
+        report.append(f"{req.name}: token {at}, colocated {theirs} vs D {ours}, colocated's gap {gap:.4f} nats, "
+                      f"D's {my_top[ours] - my_top.get(theirs, float('-inf')):.4f}")
+        if not gap <= NEAR_TIE:
+            not_ties[req.name] = report[-1]
+    print(f"{len(mla.reqs) - len(report)} of {len(mla.reqs)} outputs equal colocated; the others:",
+          *report, sep="\n  ")
+    assert not not_ties, f"outputs differ from colocated beyond a near-tie: {not_ties}"
+    wait_tables_zero({"prefill": mla.prefill_daemon.url, "decode": mla.decode_daemon.url}, SETTLE_S)
