@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-gpu test-vllm-next bench bench-gpu clean
+.PHONY: venv demo test test-fast test-gpu test-vllm-next bench bench-latency bench-gpu clean
 
 # GPU targets run on a CUDA host, in the Python environment that has CUDA torch and NIXL
 # (the one vLLM runs in), not in .venv (CPU torch): make test-gpu GPU_PYTHON=/path/to/python
@@ -69,6 +69,12 @@ test-vllm-next: $(NEXT_STAMP)
 # make bench BENCH_ARGS=--quick for a smoke run; BENCH_ARGS="--skip-serving" for the transfer part only.
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+
+# TTFT per prompt length, colocated vs pushsvc P/D, driven by vLLM's own serving client
+# (vllm.benchmarks.serve, random dataset), split into phases from the request timelines;
+# latency.json, latency.md and latency.png under bench-results/latency-<time>/.
+bench-latency: $(STAMP)
+	$(PY) benchmarks/latency.py $(BENCH_ARGS)
 
 # Daemon push vs in-process NIXL vs torch copy on one GPU; JSON + PNG under bench-results/gpu-<time>/.
 bench-gpu:
