@@ -1,0 +1,176 @@
+"""Where a P/D request's time to first token goes, per prompt length, next to colocated.
+
+Driven by vLLM's own serving benchmark client (``vllm_serve.py``: ``--dataset-name random``,
+fixed input and output lengths, streamed completions, ``--ignore-eos``) against each
+deployment: a colocated vLLM, and pushsvc's P/D (two vLLM CPU servers, their daemons and
+the proxy). For every input length and concurrency, the client's TTFT p50/p90 and, for
+pushsvc, the TTFT of the same requests split into phases from their three timelines
+(``attribution.py``: P's queue and prefill, transfer, D notified, D's first step, the
+proxy's forwarding). Prints a table; writes ``latency.json`` and ``latency.png`` into
+``--out``. ``make bench-latency`` runs it; ``BENCH_ARGS`` passes arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import attribution
+import serving
+
+from pushsvc.tinymodel import ensure_tiny_model
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEPLOYMENTS = {"colocated": serving._colocated, "pushsvc": serving._pushsvc}
+
+
+@dataclass(frozen=True)
+class Point:
+    input_len: int
+    concurrency: int
+
+    @property
+    def tag(self) -> str:
+        return f"in{self.input_len}-c{self.concurrency}"
+
+
+def client_run(url: str, model: str, point: Point, args: argparse.Namespace, out: Path, prefix: str) -> dict:
+    """One run of vLLM's client; its result JSON (TTFT percentiles in ms among it)."""
+    name = f"{prefix}{point.tag}.json"
+    argv = [sys.executable, str(HERE / "vllm_serve.py"), "--base-url", url, "--model", model, "--tokenizer", model,
+            "--backend", "openai", "--endpoint", "/v1/completions", "--dataset-name", "random",
+            "--random-input-len", str(point.input_len), "--random-output-len", str(args.output_len),
+            "--random-range-ratio", "0", "--num-prompts", str(args.prompts),
+            "--max-concurrency", str(point.concurrency), "--ignore-eos", "--seed", "0",
+            "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90",
+            "--request-id-prefix", f"{prefix}{point.tag}-", "--disable-tqdm",
+            "--save-result", "--result-dir", str(out), "--result-filename", name]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.run_timeout_s)
+    (out / f"{prefix}{point.tag}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm_serve.py exited {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads((out / name).read_text())
+
+
+def phases(dep: serving.Deployment, prefix: str, n: int) -> dict[str, float] | None:
+    """Medians of the phases of this run's requests (the proxy's ids carry the prefix)."""
+    if dep.timelines is None:
+        return None
+    time.sleep(0.5)  # the proxy logs a request's timeline as its response ends
+    proxy, p, d = dep.timelines(4 * n)
+    mine = [line for line in proxy if str(line.get("request_id", "")).startswith(prefix)]
+    return attribution.medians(attribution.attribute(mine, p, d))
+
+
+def run_deployment(name: str, model: str, points: list[Point], args: argparse.Namespace, out: Path) -> dict:
+    rec: dict = {"deployment": name, "runs": []}
+    with serving.BenchStack(out / "logs" / name, progress=print) as stack:
+        dep = DEPLOYMENTS[name](stack, model)
+        warm = Point(min(p.input_len for p in points), 1)
+        client_run(dep.url, model, warm, argparse.Namespace(**{**vars(args), "prompts": 4}), out, f"{name}-warm-")
+        for point in points:
+            prefix = f"{name}-{point.tag}-"
+            result = client_run(dep.url, model, point, args, out, f"{name}-")
+            run = {"input_len": point.input_len, "concurrency": point.concurrency,
+                   "completed": result.get("completed"), "failed": result.get("failed"),
+                   "ttft_p50_ms": result.get("median_ttft_ms"), "ttft_p90_ms": result.get("p90_ttft_ms"),
+                   "tpot_p50_ms": result.get("median_tpot_ms"), "phases_p50_ms": phases(dep, prefix, args.prompts)}
+            rec["runs"].append(run)
+            print(f"  {name} {point.tag}: TTFT p50 {run['ttft_p50_ms']:.1f} ms, p90 {run['ttft_p90_ms']:.1f} ms, "
+                  f"{run['completed']} completed, {run['failed']} failed"
+                  + (f"; phases {run['phases_p50_ms']}" if run["phases_p50_ms"] else ""), flush=True)
+    return rec
+
+
+def table(res: dict) -> str:
+    runs = {(r["input_len"], r["concurrency"], d["deployment"]): r for d in res["deployments"] for r in d["runs"]}
+    head = ["input", "c", "TTFT colocated", "TTFT pushsvc", "ratio", "p90/p50 pushsvc", *attribution.PHASES[:-1]]
+    rows = []
+    for point in res["points"]:
+        key = (point["input_len"], point["concurrency"])
+        col, pd = runs.get((*key, "colocated")), runs.get((*key, "pushsvc"))
+        if col is None or pd is None:
+            continue
+        ph = pd["phases_p50_ms"] or {}
+        rows.append([str(key[0]), str(key[1]), f"{col['ttft_p50_ms']:.1f}", f"{pd['ttft_p50_ms']:.1f}",
+                     f"{pd['ttft_p50_ms'] / col['ttft_p50_ms']:.2f}x", f"{pd['ttft_p90_ms'] / pd['ttft_p50_ms']:.2f}",
+                     *(f"{ph[k]:.1f}" if k in ph else "-" for k in attribution.PHASES[:-1])])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join([*lines, *("| " + " | ".join(r) + " |" for r in rows)])
+
+
+def chart(res: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    runs = {(r["input_len"], r["concurrency"], d["deployment"]): r for d in res["deployments"] for r in d["runs"]}
+    points = [(p["input_len"], p["concurrency"]) for p in res["points"]
+              if (p["input_len"], p["concurrency"], "pushsvc") in runs and (p["input_len"], p["concurrency"],
+                                                                             "colocated") in runs]
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(points)), 4))
+    for i, key in enumerate(points):
+        ax.bar(i - 0.2, runs[(*key, "colocated")]["ttft_p50_ms"], 0.38, color="0.6",
+               label="colocated TTFT p50" if i == 0 else None)
+        bottom = 0.0
+        for j, phase in enumerate(attribution.PHASES[:-1]):
+            value = (runs[(*key, "pushsvc")]["phases_p50_ms"] or {}).get(phase, 0.0)
+            ax.bar(i + 0.2, value, 0.38, bottom=bottom, color=f"C{j}", label=phase if i == 0 else None)
+            bottom += value
+    ax.set_xticks(range(len(points)), [f"{n} tok\nc={c}" for n, c in points])
+    ax.set_ylabel("ms (p50)")
+    ax.set_title("pushsvc P/D TTFT by phase vs colocated (vLLM's serving client)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="output folder (default bench-results/latency-<time>)")
+    ap.add_argument("--model-dir", default=str(ROOT / "bench-results" / "tiny-model"))
+    ap.add_argument("--input-lens", default="64,256,1024,2048")
+    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--prompts", type=int, default=16, help="requests per input length and concurrency")
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--deployments", default="colocated,pushsvc")
+    ap.add_argument("--run-timeout-s", type=float, default=900.0)
+    args = ap.parse_args(argv)
+    out = Path(args.out or ROOT / "bench-results" / f"latency-{datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    model = ensure_tiny_model(args.model_dir)
+    points = [Point(int(n), int(c)) for n in args.input_lens.split(",") for c in args.concurrency.split(",")]
+    res: dict = {"model": model, "output_len": args.output_len, "prompts": args.prompts,
+                 "client": "vllm.benchmarks.serve (random dataset, streamed /v1/completions, ignore_eos)",
+                 "points": [{"input_len": p.input_len, "concurrency": p.concurrency} for p in points],
+                 "deployments": [], "started": datetime.now().isoformat(timespec="seconds")}
+    for name in args.deployments.split(","):
+        if name not in DEPLOYMENTS:
+            raise SystemExit(f"unknown deployment {name!r}; known: {sorted(DEPLOYMENTS)}")
+        res["deployments"].append(run_deployment(name, model, points, args, out))
+        (out / "latency.json").write_text(json.dumps(res, indent=2))
+    text = table(res)
+    print(text)
+    (out / "latency.md").write_text(text + "\n")
+    png = chart(res, out / "latency.png")
+    print(f"results: {out / 'latency.json'}" + (f", {png}" if png else ""))
+    failed = sum(r.get("failed") or 0 for d in res["deployments"] for r in d["runs"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""``make bench-latency`` (benchmarks/latency.py): the runs of one deployment are told apart
+by the request-id prefix vLLM's client sends, and the table sets pushsvc's phases beside
+colocated's TTFT; the wrapper starts vLLM's own serving client."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import latency  # noqa: E402
+import serving  # noqa: E402
+import vllm_serve  # noqa: E402
+
+START = "2026-12-01T12:00:00+00:00"
+
+
+def _proxy(rid: str, **ms: float) -> dict:
+    return {"event": "request_timeline", "side": "proxy", "request_id": rid, "start": START, "events_ms": ms}
+
+
+def _daemon(rid: str, side: str, **ms: float) -> dict:
+    return {"request_id": rid, "side": side, "start": START, "events_ms": ms}
+
+
+def test_phases_count_only_the_requests_of_the_run_they_belong_to(monkeypatch) -> None:
+    monkeypatch.setattr(latency.time, "sleep", lambda _s: None)
+    proxy, p, d = [], [], []
+    for run, ttft in (("pushsvc-in64-c1-", 20.0), ("pushsvc-in256-c1-", 90.0)):
+        for i in range(3):
+            rid = f"{run}{i}"
+            proxy.append(_proxy(rid, prefill_answered=ttft / 2, decode_first_chunk=ttft - 1, first_chunk_sent=ttft))
+            p.append(_daemon(f"cmpl-{rid}-0-ab12cd34", "send", send_ready=ttft / 4, write_settled=ttft / 4 + 2))
+            d.append(_daemon(f"cmpl-{rid}-0-ef56ab78", "recv", recv_done=ttft / 4 + 3))
+    dep = serving.Deployment("http://x", {}, timelines=lambda n: (proxy[-n:], p[-n:], d[-n:]))
+    got = latency.phases(dep, "pushsvc-in64-c1-", 3)
+    assert got is not None and got["requests"] == 3 and got["ttft"] == 20.0 and got["transfer"] == 2.0
+    assert latency.phases(serving.Deployment("http://y", {}), "colocated-", 3) is None
+
+
+def test_the_table_sets_pushsvc_phases_beside_colocated() -> None:
+    run = {"input_len": 256, "concurrency": 1, "completed": 16, "failed": 0}
+    res = {"points": [{"input_len": 256, "concurrency": 1}, {"input_len": 1024, "concurrency": 1}],
+           "deployments": [
+               {"deployment": "colocated", "runs": [{**run, "ttft_p50_ms": 50.0, "ttft_p90_ms": 55.0}]},
+               {"deployment": "pushsvc", "runs": [{**run, "ttft_p50_ms": 75.0, "ttft_p90_ms": 90.0,
+                                                    "phases_p50_ms": {"p_queue_prefill": 60.0, "transfer": 4.0}}]}]}
+    lines = latency.table(res).splitlines()
+    assert len(lines) == 3  # the 1024-token point has no runs: no row
+    assert lines[2].startswith("| 256 | 1 | 50.0 | 75.0 | 1.50x | 1.20 | 60.0 | 4.0 | - |")
+
+
+def test_the_wrapper_runs_vllms_own_serving_client(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        vllm_serve.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--dataset-name" in out and "--random-input-len" in out and "--request-id-prefix" in out
