@@ -100,13 +100,18 @@ def _proxy_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-token-file", dest="admin_token_file", metavar="FILE",
                    help="bearer token of POST /admin/drain and /admin/resume (mode 600, 16 bytes or more); "
                         "without it they answer loopback clients only")
+    p.add_argument("--otlp-traces-endpoint", dest="otlp_traces_endpoint", metavar="URL",
+                   help="export an OpenTelemetry span per exchange to this OTLP endpoint (the legs carry its "
+                        "traceparent, so vLLM's own spans join the trace); OTEL_EXPORTER_OTLP_TRACES_PROTOCOL "
+                        "grpc (default) or http/protobuf")
     p.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
     p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
 
 
 _PROXY_FIELDS = ("prefill", "prefill_daemon", "decode", "port", "host", "timeout_s", "connect_timeout_s",
                  "remote_tp_size", "max_connections", "health_interval_s", "drain_timeout_s", "max_body_bytes",
-                 "prefix_affinity_slack", "admin_token_file", "log_format", "log_level")
+                 "prefix_affinity_slack", "admin_token_file", "otlp_traces_endpoint", "log_format",
+                 "log_level")
 
 
 _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_port", "side_channel_host",

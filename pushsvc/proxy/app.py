@@ -42,6 +42,7 @@ from pushsvc.proxy.backends import (
 from pushsvc.proxy.config import ProxyConfig
 from pushsvc.proxy.legs import PrefillCoordinates
 from pushsvc.proxy.metrics import PHASES, ProxyMetrics
+from pushsvc.proxy.tracing import ExchangeTracer
 from pushsvc.proxy.upstream import (
     CONNECT,
     PROTOCOL,
@@ -107,8 +108,9 @@ class Completed:
 class Proxy:
     """State of one proxy app: backend pools, the backend session, metrics, the probe."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, tracer: ExchangeTracer | None = None) -> None:
         self.config = config
+        self.tracer = tracer or ExchangeTracer()
         self.prefill = BackendPool(
             [Backend(url, PREFILL, daemon_url=daemon)
              for url, daemon in zip(config.prefill, config.prefill_daemon or [None] * len(config.prefill))]
@@ -206,10 +208,15 @@ class Proxy:
         except legs.BadRequestBody as exc:
             return error_response(400, str(exc), "invalid_request_error", request_id)
         headers = {legs.REQUEST_ID_HEADER: request_id, hdrs.CONTENT_TYPE: "application/json", **_auth(request)}
+        arrival = time.time() - (time.monotonic() - started)
+        span = self.tracer.start(request.headers, arrival, {"pushsvc.request_id": request_id,
+                                                             "pushsvc.endpoint": endpoint})
+        self.tracer.inject(span, headers)  # both legs: vLLM's spans join the exchange's trace
         transfer_id = legs.mint_transfer_id()
         try:
             prefill, decode = self._pick_pair(endpoint, body)
         except NoBackend as exc:
+            self.tracer.end(span, arrival, {"done": time.monotonic() - started}, 503, {})
             return self._no_backend(exc, request_id, endpoint)
         log = _log.bind(request_id=request_id, transfer_id=transfer_id, endpoint=endpoint)
         ex = Exchange(request_id, transfer_id, endpoint, body, prefill, decode, headers, log, started)
@@ -247,6 +254,8 @@ class Proxy:
             self.metrics.request_seconds.labels(endpoint).observe(total)
             ex.moments["done"] = total
             self._timeline(ex, status)
+            self.tracer.end(span, arrival, ex.moments, status, {
+                "pushsvc.transfer_id": ex.transfer_id, "pushsvc.prefill": prefill.url, "pushsvc.decode": decode.url})
             log.debug("request_done", status=status, prefill=prefill.url, decode=decode.url,
                       ttft_s=ex.ttft_s, total_s=round(total, 6))
 

@@ -53,6 +53,9 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Bearer token of the admin endpoints (``POST /admin/drain``, ``/admin/resume``;
     # proxy/admin.py). Without one they answer loopback clients only.
     admin_token_file: str = ""
+    # OTLP endpoint for the exchanges' OpenTelemetry spans (proxy/tracing.py); empty: the
+    # global tracer provider (a no-op unless the process was started instrumented).
+    otlp_traces_endpoint: str = ""
     log_format: str = "auto"
     log_level: str = "info"
 

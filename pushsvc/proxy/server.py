@@ -18,6 +18,7 @@ from pushsvc.proxy import legs
 from pushsvc.proxy.admin import Admin
 from pushsvc.proxy.app import Proxy, error_response
 from pushsvc.proxy.config import ProxyConfig
+from pushsvc.proxy.tracing import ExchangeTracer, otlp_provider
 
 _log = get_logger("pushsvc.proxy")
 _STATUS_TYPES = {
@@ -59,9 +60,13 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
         proxy.metrics.requests.labels(endpoint, str(status)).inc()
 
 
-def build_app(config: ProxyConfig) -> web.Application:
-    """The proxy's aiohttp application; its backend session lives from startup to cleanup."""
-    proxy = Proxy(config)
+def build_app(config: ProxyConfig, tracer: ExchangeTracer | None = None) -> web.Application:
+    """The proxy's aiohttp application; its backend session lives from startup to cleanup.
+    ``tracer``: where exchange spans go (default: ``--otlp-traces-endpoint``'s exporter if
+    set, else OpenTelemetry's global provider)."""
+    if tracer is None and config.otlp_traces_endpoint:
+        tracer = ExchangeTracer(otlp_provider(config.otlp_traces_endpoint))
+    proxy = Proxy(config, tracer)
     app = web.Application(middlewares=[_observe], client_max_size=config.max_body_bytes)
     app[PROXY] = proxy
     app.router.add_post("/v1/completions", proxy.completions, name=legs.COMPLETIONS)
@@ -79,9 +84,9 @@ def build_app(config: ProxyConfig) -> web.Application:
 class ProxyServer:
     """Owns the listening socket and the app's lifecycle; ``start`` and ``close`` are idempotent."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, tracer: ExchangeTracer | None = None) -> None:
         self.config = config
-        self.app = build_app(config)
+        self.app = build_app(config, tracer)
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -124,14 +129,19 @@ class ProxyServer:
 
 
 def run_proxy(config: ProxyConfig) -> int:
-    """Serve until SIGINT or SIGTERM; 0 after a drain, 1 if it cannot listen."""
+    """Serve until SIGINT or SIGTERM; 0 after a drain, 1 if it cannot listen (or export
+    its traces where ``otlp_traces_endpoint`` asks)."""
     import uvloop
 
     return uvloop.run(_serve(config))
 
 
 async def _serve(config: ProxyConfig) -> int:
-    server = ProxyServer(config)
+    try:
+        server = ProxyServer(config)
+    except RuntimeError as exc:  # the OTLP exporter cannot be set up (tracing.otlp_provider)
+        print(f"pushsvc: cannot start proxy: {exc}", file=sys.stderr)
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

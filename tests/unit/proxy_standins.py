@@ -212,7 +212,7 @@ class Cluster:
 
 @asynccontextmanager
 async def cluster(n_prefill: int = 1, n_decode: int = 1, prefill_urls: list[str] | None = None,
-                  **config: Any) -> AsyncIterator[Cluster]:
+                  tracer: Any = None, **config: Any) -> AsyncIterator[Cluster]:
     """P, P-daemon and D stand-ins plus a proxy in front. D answers a request only after the
     P that got the same match key has answered successfully, as a real D waits for the KV
     its daemon is paired with by that key. P i and its daemon both say ``engine-p<i>``;
@@ -236,7 +236,7 @@ async def cluster(n_prefill: int = 1, n_decode: int = 1, prefill_urls: list[str]
             "health_interval_s": 0, "drain_timeout_s": 1.0,
         }
         values.update(config)
-        server = ProxyServer(load_proxy_config(values))
+        server = ProxyServer(load_proxy_config(values), tracer)
         async with server, aiohttp.ClientSession() as client:
             yield Cluster(prefill, daemons, decode, server, client, f"http://127.0.0.1:{server.port}")
 
