@@ -215,3 +215,17 @@ def test_dashboard_quantiles_come_from_histograms(families: dict[str, str]) -> N
             if "histogram_quantile" in target["expr"]:
                 (name,) = metric_names(target["expr"])
                 assert name.removesuffix("_bucket") in histograms and "by (le" in target["expr"], target["expr"]
+
+
+def test_the_proxy_metric_table_is_the_proxys_registry() -> None:
+    from pushsvc.proxy.metrics import ProxyMetrics
+
+    exported = {f.name + "_total" if f.type == "counter" else f.name: f.type
+                for f in ProxyMetrics().registry.collect()}
+    section = _section(OPERATIONS.read_text(), "Proxy metrics")
+    documented = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.split("|")]
+            documented[cells[1].strip("`")] = cells[2]
+    assert documented == exported
