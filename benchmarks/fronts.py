@@ -33,7 +33,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pushsvc.launch import Proc, Stack, connector_config, free_port
+from pushsvc.launch import Host, Proc, Stack, connector_config, free_port
 from pushsvc.loadgen.client import Batch, Result, run_batch
 from pushsvc.loadgen.prompts import mixed_prompts
 from pushsvc.loadgen.stats import summarize
@@ -53,16 +53,18 @@ def router_binary() -> Path:
 
 
 def start_vllm_router(stack: Stack, name: str, prefill: list[Proc], decode: list[Proc], *,
-                      extra: tuple[str, ...] = (), timeout: float = 120) -> Proc:
+                      extra: tuple[str, ...] = (), timeout: float = 120, on: Host | None = None) -> Proc:
     """Start vllm-router in vLLM P/D mode in front of ``prefill`` and ``decode``, as a user
     would: their URLs and ``--kv-connector nixl``, nothing about pushsvc. Stopped with ``stack``.
+    ``on``: the host (network namespace) to run it on, listening on its address.
 
     Its Prometheus listener gets a free port (the default, 29000, may be taken on a shared
     host); workers are checked every second at start-up instead of every 30 s.
     """
     port = free_port()
+    host = on.ip if on is not None else "127.0.0.1"
     argv = [str(router_binary()), "--vllm-pd-disaggregation", "--kv-connector", "nixl",
-            "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+            "--host", host, "--port", str(port), "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1"]
     for p in prefill:
         argv += ["--prefill", p.url]
@@ -70,7 +72,7 @@ def start_vllm_router(stack: Stack, name: str, prefill: list[Proc], decode: list
         argv += ["--decode", d.url]
     # The stack's own server start: the same log file, process group and stop-on-exit as
     # every other process of the stack, ready once /health answers.
-    return stack.server(name, [*argv, *extra], f"http://127.0.0.1:{port}", timeout=timeout)
+    return stack.server(name, [*argv, *extra], f"http://{host}:{port}", timeout=timeout, on=on)
 
 
 def start_fronts(stack: Stack, model: str) -> dict[str, Proc]:

@@ -7,7 +7,8 @@ a shared secret, the peers they may dial restricted to the hosts' network, the h
 endpoint behind a bearer token. The proxy is given only vLLM's URLs and learns P's daemon
 from P's answers. The proxy sends a prompt that starts like an earlier one to the P that
 computed that start (its prefix cache hits). The operator drains a P and a D under load
-and resumes them (the proxy's admin routes, behind its token). Then one D host dies (every process on it,
+and resumes them (the proxy's admin routes, behind its token). vLLM's own router serves
+the same four instances. Then one D host dies (every process on it,
 SIGKILL): P frees what it held for that D, and the proxy sends later requests to the
 other D.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +48,9 @@ from helpers import (
 from netns import Host, Hosts
 
 from pushsvc.launch import Proc, connector_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from fronts import start_vllm_router  # noqa: E402 - the benchmark of both fronts starts the router the same way
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -240,6 +245,23 @@ def test_a_p_and_a_d_drained_under_load_finish_their_requests_take_no_new_ones_a
     tagged = [replace(r, name=f"{r.name}@{run}") for run, got_ in runs.items() for r in load if r.name in got_]
     assert_like_colocated(outcomes, {r.name: refs[r.name.partition("@")[0]] for r in tagged}, tagged,
                           "the proxy while P2 and D2 were drained and after", cluster.logs)
+
+
+def test_two_ps_and_two_ds_serve_behind_vllm_router_too(cluster: Cluster) -> None:
+    """vLLM's own router on the proxy's host, given the same four vLLM URLs and nothing
+    about pushsvc (round robin, so both of each kind serve): every output like colocated,
+    every push verified, both Ps and both Ds taking part."""
+    router = start_vllm_router(cluster.stack, "vllm-router", list(cluster.prefills.values()),
+                               list(cluster.decodes.values()), extra=("--policy", "round_robin"),
+                               on=cluster.hosts["proxy"])
+    before = _served(cluster)
+    load = cluster.reqs[:16]
+    got = generate_all(router.url, load, concurrency=4)
+    assert_like_colocated(got, cluster.refs, load, "vllm-router with two Ps and two Ds", cluster.logs)
+    served = wait_for("pushes verified at the Ds", lambda: _served(cluster),
+                      lambda s: s["d1"] + s["d2"] - before["d1"] - before["d2"] >= len(load), SETTLE_S)
+    assert all(served[name] > before[name] for name in before), (before, served)
+    cluster.stack.stop(router)
 
 
 def test_a_dead_d_host_frees_ps_blocks_and_the_proxy_routes_around_it(cluster: Cluster) -> None:
