@@ -43,7 +43,8 @@ class ExchangeTracer:
         """The exchange's span, started at ``wall_s`` (seconds since the epoch)."""
         if self._tracer is None:
             return None
-        return self._tracer.start_span(SPAN_NAME, context=propagate.extract(dict(incoming)), kind=SpanKind.SERVER,
+        # ``incoming`` as given: aiohttp's headers match names case-insensitively, a dict would not.
+        return self._tracer.start_span(SPAN_NAME, context=propagate.extract(incoming), kind=SpanKind.SERVER,
                                        start_time=_ns(wall_s), attributes=attributes)
 
     def inject(self, span: Any, headers: MutableMapping[str, str]) -> None:

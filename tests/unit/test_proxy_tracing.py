@@ -71,7 +71,8 @@ async def test_without_a_client_trace_the_exchange_starts_one_and_a_failed_excha
 @pytest.mark.asyncio
 async def test_with_no_tracer_provider_set_the_clients_traceparent_still_reaches_vllm() -> None:
     async with cluster(tracer=ExchangeTracer()) as c:  # OpenTelemetry's global provider: a no-op here
-        assert (await c.post("/v1/completions", COMPLETION, headers={"traceparent": TRACEPARENT}))[0] == 200
+        # Header names are case-insensitive: a client may well send "Traceparent".
+        assert (await c.post("/v1/completions", COMPLETION, headers={"Traceparent": TRACEPARENT}))[0] == 200
     for leg in (c.p.received[0], c.d.received[0]):
         assert leg.headers["traceparent"] == TRACEPARENT
 
@@ -89,3 +90,13 @@ def test_the_proxy_command_refuses_to_start_when_its_exporter_cannot_be_set_up()
                            "--otlp-traces-endpoint", "http://127.0.0.1:4317"],
                           capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 1 and "cannot start proxy" in done.stderr and "carrier-pigeon" in done.stderr
+
+
+def test_the_clients_trace_is_found_whatever_the_case_of_the_header_name() -> None:
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    tracer, exporter = _tracer()
+    span = tracer.start(CIMultiDictProxy(CIMultiDict({"TraceParent": TRACEPARENT})), 1.0e9, {})
+    tracer.end(span, 1.0e9, {"done": 0.001}, 200, {})
+    (done,) = exporter.get_finished_spans()
+    assert f"{done.get_span_context().trace_id:032x}" == CLIENT_TRACE
