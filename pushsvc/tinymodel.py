@@ -152,7 +152,8 @@ def _deepseek_v2_config(layers: int, hidden: int, heads: int, vocab: int) -> dic
 
 
 def _write_hf_weights(out: Path, cfg: dict, seed: int) -> None:
-    """Transformers' own random init of the architecture (seeded), saved in bf16."""
+    """Transformers' own random init of the architecture (seeded), saved in bf16; without
+    the lm_head where the config ties it to the embeddings (Gemma-3)."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -161,20 +162,8 @@ def _write_hf_weights(out: Path, cfg: dict, seed: int) -> None:
     config_class = transformers.AutoConfig.for_model(cfg["model_type"]).__class__
     model_class = getattr(transformers, cfg["architectures"][0])
     model = model_class(config_class(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}))
-    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _write_gemma3_weights(out: Path, cfg: dict, seed: int) -> None:
-    """Transformers' own random init of the architecture (seeded), saved without the
-    lm_head, which Gemma-3 ties to the embeddings."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(Gemma3TextConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
-    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tied = {"lm_head.weight"} if cfg.get("tie_word_embeddings") else set()
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k not in tied}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -256,8 +245,7 @@ def ensure_tiny_model(
         gen_cfg = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
         _write_tokenizer(tmp, vocab, seed)
-        writer = {"gemma3": _write_gemma3_weights, "deepseek_v2": _write_hf_weights}.get(family, _write_weights)
-        writer(tmp, cfg, seed)
+        (_write_weights if family == "llama" else _write_hf_weights)(tmp, cfg, seed)
         for f in tmp.iterdir():  # safetensors writes 0600; mkdtemp makes 0700
             f.chmod(0o644)
         tmp.chmod(0o755)
