@@ -189,6 +189,10 @@ class E2EStack(Stack):
             env = {**(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
         return super()._spawn(name, argv, env, on=on)
 
+    def logs(self, n: int = 30) -> str:
+        """The last ``n`` lines of every process's log, for a failure message."""
+        return "\n".join(f"--- {p.name} ({p.log})\n{p.tail(n)}" for p in self.procs)
+
 
 @dataclass(frozen=True)
 class PDOptions:
@@ -232,7 +236,7 @@ class PD:
         return proc
 
     def logs(self, n: int = 30) -> str:
-        return "\n".join(f"--- {p.name} ({p.log})\n{p.tail(n)}" for p in self.stack.procs)
+        return self.stack.logs(n)
 
 
 # ---------------------------------------------------------------------------- HTTP

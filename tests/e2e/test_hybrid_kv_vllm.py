@@ -67,7 +67,7 @@ class HybridPD:
     stack: E2EStack
 
     def logs(self, n: int = 30) -> str:
-        return "\n".join(f"--- {p.name} ({p.log})\n{p.tail(n)}" for p in self.stack.procs)
+        return self.stack.logs(n)
 
 
 def kv_capacity_tokens(log: Path) -> int:

@@ -82,7 +82,7 @@ class Cluster:
     tokenizer: Any
 
     def logs(self, n: int = 30) -> str:
-        return "\n".join(f"--- {p.name} ({p.log})\n{p.tail(n)}" for p in self.stack.procs)
+        return self.stack.logs(n)
 
     def daemon_metric(self, daemon: Proc, name: str, **labels: str) -> float:
         return metric(scrape(daemon.url, self.auth), name, **labels) or 0.0
