@@ -16,7 +16,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -59,16 +58,6 @@ def client_run(url: str, model: str, point: Point, args: argparse.Namespace, out
     return json.loads((out / name).read_text())
 
 
-def phases(dep: serving.Deployment, prefix: str, n: int) -> dict[str, float] | None:
-    """Medians of the phases of this run's requests (the proxy's ids carry the prefix)."""
-    if dep.timelines is None:
-        return None
-    time.sleep(0.5)  # the proxy logs a request's timeline as its response ends
-    proxy, p, d = dep.timelines(4 * n)
-    mine = [line for line in proxy if str(line.get("request_id", "")).startswith(prefix)]
-    return attribution.medians(attribution.attribute(mine, p, d))
-
-
 def run_deployment(name: str, model: str, points: list[Point], args: argparse.Namespace, out: Path) -> dict:
     rec: dict = {"deployment": name, "runs": []}
     with serving.BenchStack(out / "logs" / name, progress=print) as stack:
@@ -81,7 +70,8 @@ def run_deployment(name: str, model: str, points: list[Point], args: argparse.Na
             run = {"input_len": point.input_len, "concurrency": point.concurrency,
                    "completed": result.get("completed"), "failed": result.get("failed"),
                    "ttft_p50_ms": result.get("median_ttft_ms"), "ttft_p90_ms": result.get("p90_ttft_ms"),
-                   "tpot_p50_ms": result.get("median_tpot_ms"), "phases_p50_ms": phases(dep, prefix, args.prompts)}
+                   "tpot_p50_ms": result.get("median_tpot_ms"),
+                   "phases_p50_ms": serving.phase_medians(dep, args.prompts, prefix)}
             rec["runs"].append(run)
             print(f"  {name} {point.tag}: TTFT p50 {run['ttft_p50_ms']:.1f} ms, p90 {run['ttft_p90_ms']:.1f} ms, "
                   f"{run['completed']} completed, {run['failed']} failed"
@@ -89,8 +79,13 @@ def run_deployment(name: str, model: str, points: list[Point], args: argparse.Na
     return rec
 
 
+def _by_point(res: dict) -> dict[tuple[int, int, str], dict]:
+    """Every run, by (input length, concurrency, deployment)."""
+    return {(r["input_len"], r["concurrency"], d["deployment"]): r for d in res["deployments"] for r in d["runs"]}
+
+
 def table(res: dict) -> str:
-    runs = {(r["input_len"], r["concurrency"], d["deployment"]): r for d in res["deployments"] for r in d["runs"]}
+    runs = _by_point(res)
     head = ["input", "c", "TTFT colocated", "TTFT pushsvc", "ratio", "p90/p50 pushsvc", *attribution.PHASES[:-1]]
     rows = []
     for point in res["points"]:
@@ -114,7 +109,7 @@ def chart(res: dict, path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    runs = {(r["input_len"], r["concurrency"], d["deployment"]): r for d in res["deployments"] for r in d["runs"]}
+    runs = _by_point(res)
     points = [(p["input_len"], p["concurrency"]) for p in res["points"]
               if (p["input_len"], p["concurrency"], "pushsvc") in runs and (p["input_len"], p["concurrency"],
                                                                              "colocated") in runs]

@@ -306,7 +306,7 @@ def run_anchor(anchor: Anchor, model: str, workdir: Path, prompt_sets: dict[str,
                 rec = RunRecord(anchor.name, wl.prompt_set, wl.concurrency, wall, asdict(summarize(results, wall)),
                                 total(used) / len(results), used, count(ref), len(ref or {}),
                                 [r.to_json() for r in results])
-                where = _attribution(dep, len(prompts))
+                where = phase_medians(dep, len(prompts))
                 out["runs"].append({**asdict(rec), "matches_same_c": count(same), "daemon_timers_ms": timers,
                                     "attribution_p50_ms": where, "started": t_start, "ended": time.time()})
                 if where:
@@ -328,14 +328,20 @@ def run_anchor(anchor: Anchor, model: str, workdir: Path, prompt_sets: dict[str,
     return out
 
 
-def _attribution(dep: Deployment, n: int) -> dict[str, float] | None:
+def phase_medians(dep: Deployment, n: int, prefix: str = "") -> dict[str, float] | None:
     """Medians of the phases of the last ``n`` requests (``attribution.py``), where the
-    deployment has timelines; None where it has none or they could not be read."""
+    deployment has timelines; None where it has none. With ``prefix``, of the requests
+    among the last ``4 n`` whose proxy request id starts with it (one run of a client that
+    names its requests, ``latency.py``). Timelines that cannot be read give ``requests`` 0
+    and the error."""
     if dep.timelines is None:
         return None
     time.sleep(0.5)  # the proxy logs a request's timeline as its response ends
     try:
-        return attribution.medians(attribution.attribute(*dep.timelines(n)))
+        proxy, p, d = dep.timelines(4 * n if prefix else n)
+        if prefix:
+            proxy = [line for line in proxy if str(line.get("request_id", "")).startswith(prefix)]
+        return attribution.medians(attribution.attribute(proxy, p, d))
     except (OSError, ValueError, KeyError) as exc:
         return {"requests": 0, "error": str(exc)[:200]}  # type: ignore[dict-item]
 

@@ -27,7 +27,7 @@ def _daemon(rid: str, side: str, **ms: float) -> dict:
 
 
 def test_phases_count_only_the_requests_of_the_run_they_belong_to(monkeypatch) -> None:
-    monkeypatch.setattr(latency.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(serving.time, "sleep", lambda _s: None)
     proxy, p, d = [], [], []
     for run, ttft in (("pushsvc-in64-c1-", 20.0), ("pushsvc-in256-c1-", 90.0)):
         for i in range(3):
@@ -36,9 +36,9 @@ def test_phases_count_only_the_requests_of_the_run_they_belong_to(monkeypatch) -
             p.append(_daemon(f"cmpl-{rid}-0-ab12cd34", "send", send_ready=ttft / 4, write_settled=ttft / 4 + 2))
             d.append(_daemon(f"cmpl-{rid}-0-ef56ab78", "recv", recv_done=ttft / 4 + 3))
     dep = serving.Deployment("http://x", {}, timelines=lambda n: (proxy[-n:], p[-n:], d[-n:]))
-    got = latency.phases(dep, "pushsvc-in64-c1-", 3)
+    got = serving.phase_medians(dep, 3, "pushsvc-in64-c1-")
     assert got is not None and got["requests"] == 3 and got["ttft"] == 20.0 and got["transfer"] == 2.0
-    assert latency.phases(serving.Deployment("http://y", {}), "colocated-", 3) is None
+    assert serving.phase_medians(serving.Deployment("http://y", {}), 3, "colocated-") is None
 
 
 def test_the_table_sets_pushsvc_phases_beside_colocated() -> None:
