@@ -76,7 +76,7 @@ class Exchange:
     log: Any
     started: float = field(default_factory=time.monotonic)
     ttft_s: float | None = None
-    wall: float = field(default_factory=time.time)
+    wall: float = field(default_factory=time.time)  # the wall-clock time of ``started``
     # Seconds since ``started`` of each moment of the exchange (the proxy's side of a
     # request's timeline, docs/proxy.md), each recorded at its first time.
     moments: dict[str, float] = field(default_factory=dict)
@@ -219,7 +219,7 @@ class Proxy:
             self.tracer.end(span, arrival, {"done": time.monotonic() - started}, 503, {})
             return self._no_backend(exc, request_id, endpoint)
         log = _log.bind(request_id=request_id, transfer_id=transfer_id, endpoint=endpoint)
-        ex = Exchange(request_id, transfer_id, endpoint, body, prefill, decode, headers, log, started)
+        ex = Exchange(request_id, transfer_id, endpoint, body, prefill, decode, headers, log, started, wall=arrival)
         status = 499  # unless a response is returned below: the client left
         try:
             attempts = len(self.prefill.backends)
@@ -240,7 +240,7 @@ class Proxy:
                 transfer_id = legs.mint_transfer_id()
                 prefill, decode = pair
                 log = _log.bind(request_id=request_id, transfer_id=transfer_id, endpoint=endpoint)
-                ex = Exchange(request_id, transfer_id, endpoint, body, prefill, decode, headers, log, started)
+                ex = Exchange(request_id, transfer_id, endpoint, body, prefill, decode, headers, log, started, wall=arrival)
             status = response.status
             return response
         except asyncio.CancelledError:
