@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -43,9 +42,12 @@ def test_aggregate_adds_workers_and_scheduler_counts() -> None:
 
 
 def test_payload_survives_the_trip_between_processes() -> None:
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
     stats = PushsvcConnectorStats()
     stats.record("backstop_expiries", "send")
-    payload = pickle.loads(pickle.dumps(stats.take().to_dict()))
+    # The engine core sends its stats to the front end with vLLM's own msgpack serializer.
+    payload = MsgpackDecoder().decode(MsgpackEncoder().encode(stats.take().to_dict()))
     rebuilt = PushsvcConnectorStats(data=payload)  # what build_kv_connector_stats does
     assert rebuilt.count("backstop_expiries", "send") == 1
 
