@@ -110,7 +110,8 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
         # Raises DaemonRefused when the daemon refuses this worker (vLLM then fails to
         # start, with the daemon's reason); a daemon not there yet is retried later.
         assert self._worker is not None
-        self._worker.register(share_kv(kv_caches, self._kv_cache_config.num_blocks, self._groups))
+        self._worker.register(share_kv(kv_caches, self._kv_cache_config.num_blocks, self._groups,
+                                       kv_heads(self._kv_cache_config)))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
@@ -223,6 +224,19 @@ def transfer_groups(kv_cache_config: Any) -> TransferGroups:
                              "supported are full-attention and sliding-window groups")
     layer_group = {name: i for i, gid in enumerate(ids) for name in groups[gid].layer_names}
     return TransferGroups(ids, tuple(keep), layer_group if len(ids) > 1 or any(keep) else {})
+
+
+def kv_heads(kv_cache_config: Any) -> dict[str, int]:
+    """Each layer's KV heads on this rank, from its KV-cache spec (MLA's latent row counts
+    as one head: it cannot be split by head)."""
+    out: dict[str, int] = {}
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = group.kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
+        for name in group.layer_names:
+            layer_spec = per_layer.get(name, spec) if isinstance(per_layer, dict) else spec
+            out[name] = int(getattr(layer_spec, "num_kv_heads", 0) or 0)
+    return out
 
 
 def check_parallelism(parallel_config: Any) -> None:

@@ -17,7 +17,8 @@ from pushsvc_connector.kvlayout import regions_of
 
 
 def share_cuda_kv(kv_caches: dict[str, torch.Tensor], num_blocks: int,
-                  driver: Driver | None = None) -> tuple[wp.CudaIpcBuffers, list[wp.Region]]:
+                  driver: Driver | None = None,
+                  heads: dict[str, int] | None = None) -> tuple[wp.CudaIpcBuffers, list[wp.Region]]:
     driver = driver or Driver()
     buffers: list[wp.CudaIpcBuffer] = []
     index: dict[int, int] = {}  # allocation base -> buffer index
@@ -38,5 +39,5 @@ def share_cuda_kv(kv_caches: dict[str, torch.Tensor], num_blocks: int,
         if export.base not in index:
             index[export.base] = len(buffers)
             buffers.append(wp.CudaIpcBuffer(handle=export.handle, size=export.size))
-        regions += regions_of(name, t, index[export.base], ptr - export.base, num_blocks)
+        regions += regions_of(name, t, index[export.base], ptr - export.base, num_blocks, (heads or {}).get(name, 0))
     return wp.CudaIpcBuffers(device_uuid=uuid, buffers=buffers), regions

@@ -46,16 +46,18 @@ class KVShare:
         self.buffers = []
 
 
-def share_kv(kv_caches: dict[str, torch.Tensor], num_blocks: int, groups: TransferGroups | None = None) -> KVShare:
+def share_kv(kv_caches: dict[str, torch.Tensor], num_blocks: int, groups: TransferGroups | None = None,
+             heads: dict[str, int] | None = None) -> KVShare:
     """Share ``kv_caches`` (``num_blocks`` scheduler blocks each) with the daemon; each
-    region names its layer's transferred KV-cache group (``groups``; default: one group)."""
+    region names its layer's transferred KV-cache group (``groups``; default: one group)
+    and, where its blocks are head-major, its KV heads (``heads``: layer -> heads)."""
     per_logical = blocks_per_logical(kv_caches, num_blocks)
     if next(iter(kv_caches.values())).device.type == "cuda":
         from pushsvc_connector.cudashare import share_cuda_kv
 
-        cuda, regions = share_cuda_kv(kv_caches, num_blocks * per_logical)
+        cuda, regions = share_cuda_kv(kv_caches, num_blocks * per_logical, heads=heads)
         return KVShare(grouped(regions, groups), per_logical, cuda=cuda)
-    buffers, regions = share_kv_caches(kv_caches, num_blocks * per_logical)
+    buffers, regions = share_kv_caches(kv_caches, num_blocks * per_logical, heads)
     return KVShare(grouped(regions, groups), per_logical, buffers=buffers)
 
 
@@ -74,7 +76,8 @@ def grouped(regions: list[wp.Region], groups: TransferGroups | None) -> list[wp.
     return out
 
 
-def share_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[list[SharedBuffer], list[wp.Region]]:
+def share_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int,
+                    heads: dict[str, int] | None = None) -> tuple[list[SharedBuffer], list[wp.Region]]:
     """Re-back every storage behind CPU ``kv_caches`` by a memfd; describe the layers."""
     buffers: list[SharedBuffer] = []
     starts: dict[int, tuple[int, int]] = {}  # storage ptr -> (buffer index, mapped start)
@@ -95,7 +98,7 @@ def share_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tupl
                 buffers.append(rebind_pages(start, end - start, name=f"pushsvc-kv-{len(buffers)}"))
                 starts[ptr] = (len(buffers) - 1, start)
             index, start = starts[ptr]
-            regions += regions_of(name, t, index, t.data_ptr() - start, num_blocks)
+            regions += regions_of(name, t, index, t.data_ptr() - start, num_blocks, (heads or {}).get(name, 0))
     except BaseException:
         for b in buffers:
             b.close()

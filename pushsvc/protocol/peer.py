@@ -24,11 +24,13 @@ MAGIC = b"PSVP"
 MAJOR = 1
 # 1.1: AuthChallenge, AuthProof (sent only with a secret); 1.2: PushReg.match_key;
 # 1.3: AgentInfo.device and AgentInfo.parts (WRITEs in parts, ``PUSH_PART`` notifications);
-# 1.4: PeerHello.ucx_error_handling_mode
-MINOR = 4
+# 1.4: PeerHello.ucx_error_handling_mode; 1.5: RegionInfo.heads and ``source_rank`` on
+# PushFailed, CancelPush, PushCancelled, WriteStarted (P TP = k x D TP)
+MINOR = 5
 AUTH_MINOR = 1
 MATCH_KEY_MINOR = 2  # a D daemon sets PushReg.match_key only for a P at this minor or later
 PARTS_MINOR = 3  # a P daemon splits WRITEs only for a D at this minor or later that asks for it
+HETERO_TP_MINOR = 5  # a D daemon registers with several P ranks only at this minor or later
 
 _opts = dict(forbid_unknown_fields=True, omit_defaults=True, tag_field="t")
 
@@ -42,6 +44,7 @@ class RegionInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True,
     block_stride: U64 = 0
     group: Annotated[int, msgspec.Meta(ge=0, lt=64)] = 0
     layer_names: Annotated[list[Name], msgspec.Meta(max_length=4096)] = []
+    heads: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0  # 1.5: KV heads outermost in a block
 
     @property
     def stride(self) -> int:
@@ -103,6 +106,8 @@ class PushFailed(msgspec.Struct, tag="push_failed", **_opts):
     request_id: Name
     rank: U32
     reason: Text
+    # 1.5: the P rank meant, where it is not ``rank`` (P TP = k x D TP); -1: ``rank``.
+    source_rank: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
 
 
 class CancelPush(msgspec.Struct, tag="cancel", **_opts):
@@ -112,6 +117,8 @@ class CancelPush(msgspec.Struct, tag="cancel", **_opts):
 
     request_id: Name
     rank: U32
+    # 1.5: the P rank meant, where it is not ``rank`` (P TP = k x D TP); -1: ``rank``.
+    source_rank: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
 
 
 class PushCancelled(msgspec.Struct, tag="cancelled", **_opts):
@@ -119,6 +126,8 @@ class PushCancelled(msgspec.Struct, tag="cancelled", **_opts):
 
     request_id: Name
     rank: U32
+    # 1.5: the P rank meant, where it is not ``rank`` (P TP = k x D TP); -1: ``rank``.
+    source_rank: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
 
 
 class WriteStarted(msgspec.Struct, tag="writing", **_opts):
@@ -130,6 +139,13 @@ class WriteStarted(msgspec.Struct, tag="writing", **_opts):
     nbytes: U64 = 0
     # Verify mode: xxh3-64 of each source block, little-endian, in WRITE order.
     digests: Annotated[bytes, msgspec.Meta(max_length=8 << 24)] = b""
+    # 1.5: the P rank meant, where it is not ``rank`` (P TP = k x D TP); -1: ``rank``.
+    source_rank: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
+
+
+def source_rank(msg: PushFailed | CancelPush | PushCancelled | WriteStarted) -> int:
+    """The P rank a message is about: ``source_rank`` where set, else ``rank`` (equal TP)."""
+    return msg.source_rank if msg.source_rank >= 0 else msg.rank
 
 
 class Heartbeat(msgspec.Struct, tag="hb", **_opts):

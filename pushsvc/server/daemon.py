@@ -195,8 +195,12 @@ class Daemon:
                        f"{self.service.writes_in_flight()} WRITEs in flight")
 
     def info(self) -> dict[str, Any]:
+        tp_size = next((r.tp_size for r in self.service.ranks.current.values()), None)
         return {
             "version": __version__,
+            # The engine's TP size once a worker said hello (a proxy passes it to D as
+            # ``remote_tp_size``); absent before.
+            **({"tp_size": tp_size} if tp_size is not None else {}),
             "engine_id": self.config.engine_id,
             "daemon_id": self.daemon_id,
             "side_channel_host": self.config.advertised_host,

@@ -47,9 +47,11 @@ from pushsvc.state.consumer import (
     RecvExpiry,
     RecvState,
     Remote,
+    SourceOutcome,
 )
+from pushsvc.state import tp
 from pushsvc.state.landing import AllocOutcome
-from pushsvc.state.layout import check_block_ids, dest_indices
+from pushsvc.state.layout import check_block_ids, descriptor_table, dest_indices, head_slice
 from pushsvc.state.timeline import RECV
 
 log = structlog.get_logger("pushsvc.receiver")
@@ -83,7 +85,8 @@ class Receiver:
         self.landing = Landing(metrics=metrics, now=self._now, granted=self._granted)
         self._registrar = Registrar(
             identity=Identity(settings.engine_id, settings.daemon_id, settings.advertised_host), peers=peers,
-            tasks=tasks, landing=self.landing, timelines=timelines, table=self._of, fail=self._fail, wake=wake)
+            tasks=tasks, landing=self.landing, timelines=timelines, table=self._of, fail=self._fail,
+            withdraw=self._withdraw, wake=wake)
 
     def _of(self, rank: Rank) -> ConsumerTable:
         table = self._tables.get(rank)
@@ -147,8 +150,9 @@ class Receiver:
     def _refusal(self, rank: Rank, msg: wp.RegisterRecv, predecessors: list[Rank]) -> str:
         if rank.memory is None:
             return "no KV memory registered for this rank"
-        if msg.remote_tp_size != rank.tp_size:
-            return f"P TP {msg.remote_tp_size} != D TP {rank.tp_size} is not supported"
+        mismatch = self._tp_refusal(rank, msg.remote_tp_size)
+        if mismatch:
+            return mismatch
         try:
             check_block_ids(rank.memory.layout, msg.local_block_ids, "registration")
         except LayoutError as exc:
@@ -159,6 +163,23 @@ class Receiver:
                 return f"registration: block {held[0]} is held by live request {held[1]}"
         if self.landing.tracks(rank, msg.request_id):
             return "registration: the request id's previous registration is still landing"
+        return ""
+
+    def _tp_refusal(self, rank: Rank, p_tp: int) -> str:
+        """Why this rank cannot take KV from a P of TP ``p_tp``, or ''. With P TP = k x D
+        TP each P rank fills a head slice of D's blocks: every region must be head-major
+        with heads that split by k, and nothing lands in a GPU landing buffer."""
+        why = tp.refusal(p_tp, rank.tp_size)
+        k = tp.ratio(p_tp, rank.tp_size) if not why else 1
+        if why or k == 1:
+            return why
+        if self.landing.active(rank):
+            return f"P TP {p_tp} -> D TP {rank.tp_size}: a GPU landing buffer takes KV from one P rank only"
+        assert rank.memory is not None
+        try:
+            head_slice(rank.memory.layout, k, 0)
+        except LayoutError as exc:
+            return f"P TP {p_tp} -> D TP {rank.tp_size}: {exc}"
         return ""
 
     def _release(self, rank: Rank, msg: wp.RegisterRecv, remote: Remote) -> None:
@@ -185,6 +206,24 @@ class Receiver:
                 self._request_cancel(rank, entry)
             return
 
+    def _withdraw(self, rank: Rank, rid: str, reason: str) -> None:
+        """The daemon gives up on ``rid`` after some of P's ranks got its PUSH_REG: they
+        are asked to cancel, and the worker hears ``reason`` once none can write."""
+        table = self._of(rank)
+        entry = table.pending.get(rid)
+        if entry is None:
+            return
+        outcome, entry = table.evict(rid, self._now(), entry.p_daemon in self._peers.live_daemons(), reason)
+        if entry is None:
+            return
+        self._metrics.failures.labels(reason.split(":", 1)[0]).inc()
+        log.warning("recv_failed", request_id=rid, rank=rank.number, peer=entry.remote.engine_id, error=reason,
+                    waiting_for_p=outcome is not EvictOutcome.FINAL)
+        if outcome is EvictOutcome.FINAL:
+            self._tell_final(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids, reason=reason))
+        elif outcome is EvictOutcome.CANCEL:
+            self._request_cancel(rank, entry)
+
     def worker_detached(self, rank: Rank) -> None:
         """The worker's connection closed. Its registrations are withdrawn; those P may
         be writing into stay held until P confirms (the same process may connect again
@@ -203,9 +242,9 @@ class Receiver:
             return
         table = self._of(rank)
         entry = table.pending.get(rid)
-        if entry is not None and entry.p_agent and entry.p_agent != sender:
+        if entry is not None and entry.sources and sender not in entry.sources:
             self._malformed("notification", "foreign_completion", sender,
-                            ProtocolError("sender is not the agent the registration went to"))
+                            ProtocolError("sender is not an agent the registration went to"))
             return
         if self.landing.active(rank) and entry is not None:
             # Copied only while the registration is live: never into withdrawn blocks.
@@ -244,7 +283,7 @@ class Receiver:
             if table is None or table.sent_by(msg.request_id, peer.daemon_id) is None:
                 continue
             self._timelines.mark(rank, RECV, msg.request_id, "write_announced")
-            landed = table.announce(msg.request_id, peer.daemon_id, msg.digests, self._now())
+            landed = table.announce(msg.request_id, peer.daemon_id, pp.source_rank(msg), msg.digests, self._now())
             if landed is not None:  # the completion overtook the digests
                 self._settle(rank, msg.request_id, lambda error: self._verified(rank, landed, error))
             else:
@@ -253,22 +292,37 @@ class Receiver:
             return
 
     def push_failed(self, peer: Peer, msg: pp.PushFailed, ranks: list[Rank]) -> None:
+        """P rank ``source_rank`` cannot write. The request fails; where other P ranks
+        write into it too, only once they confirmed (or completed)."""
+        rid, kind = msg.request_id, "push_failed_remote"
         for rank in ranks:
             table = self._tables.get(rank)
-            if table is not None and table.sent_by(msg.request_id, peer.daemon_id) is not None:
-                self._fail(rank, msg.request_id, "push_failed_remote", msg.reason)
-                return
+            if table is None or table.sent_by(rid, peer.daemon_id) is None:
+                continue
+            outcome, entry = table.source_failed(rid, peer.daemon_id, pp.source_rank(msg), f"{kind}: {msg.reason}",
+                                                 self._now(), peer.daemon_id in self._peers.live_daemons())
+            if entry is None:
+                break
+            self._metrics.failures.labels(kind).inc()
+            log.warning("recv_failed", request_id=rid, rank=rank.number, peer=entry.remote.engine_id, kind=kind,
+                        error=msg.reason, source_rank=pp.source_rank(msg), waiting_for_p=bool(entry.open))
+            if outcome is SourceOutcome.FINAL:
+                reason = entry.reason if entry.state is RecvState.CANCELLING else f"{kind}: {msg.reason}"
+                self._tell_final(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids, reason=reason))
+            elif outcome is SourceOutcome.CANCEL:
+                self._request_cancel(rank, entry)
+            return
         self._metrics.malformed.labels("side_channel", "unknown_push_failed").inc()
 
     def push_cancelled(self, peer: Peer, msg: pp.PushCancelled, ranks: list[Rank]) -> None:
         for rank in ranks:
             table = self._tables.get(rank)
-            entry = table.sent_by(msg.request_id, peer.daemon_id) if table is not None else None
-            if entry is None or entry.state is not RecvState.CANCELLING:
-                continue  # the WRITE's completion got here first: already final
-            table.fail(msg.request_id)
-            self._tell_final(rank, wp.RecvFailed(request_id=msg.request_id, block_ids=entry.flat_block_ids,
-                                                 reason=table.final_reason(entry, settled=True)))
+            if table is None or table.sent_by(msg.request_id, peer.daemon_id) is None:
+                continue
+            entry = table.source_cancelled(msg.request_id, peer.daemon_id, pp.source_rank(msg))
+            if entry is not None:  # the last source that could write confirmed
+                self._tell_final(rank, wp.RecvFailed(request_id=msg.request_id, block_ids=entry.flat_block_ids,
+                                                     reason=table.final_reason(entry, settled=True)))
             return
 
     # ------------------------------------------------------------------ endings
@@ -307,7 +361,7 @@ class Receiver:
         if copy_error:
             self._copy_failed(rank, entry, copy_error)
             return
-        error = self._verify(rank, entry, entry.digests or b"")
+        error = self._verify(rank, entry)
         if not error:
             self._done(rank, entry)
             return
@@ -317,16 +371,22 @@ class Receiver:
         self._outbox.tell(rank, wp.RecvFailed(request_id=entry.request_id, block_ids=entry.flat_block_ids,
                                               reason=f"verify: {error}"))
 
-    def _verify(self, rank: Rank, entry: PendingRecv, expected: bytes) -> str:
-        """'' if D's blocks equal P's, else what is wrong."""
-        if not expected:
+    def _verify(self, rank: Rank, entry: PendingRecv) -> str:
+        """'' if D's blocks equal P's, else what is wrong: each source's digests against
+        the part of D's blocks it wrote (all of them, or its head slice)."""
+        if not all(entry.digests.get(a) for a in entry.sources):
             self._metrics.verified.labels("missing").inc()
             return "P sent no digests (is P's daemon running with verify on?)"
         assert rank.memory is not None
         memory = rank.memory
-        actual = digest_memory(memory.descs, dest_indices(memory.layout, entry.block_ids), memory.vram)
-        bad = count_mismatches(expected, actual)
-        total = len(actual) // 8
+        indices = dest_indices(memory.layout, entry.block_ids)
+        bad = total = 0
+        for agent, p_rank in entry.sources.items():
+            k = len(entry.sources)
+            descs = memory.descs if k == 1 else descriptor_table(head_slice(memory.layout, k, p_rank % k))
+            actual = digest_memory(descs, indices, memory.vram)
+            bad += count_mismatches(entry.digests[agent], actual)
+            total += len(actual) // 8
         self._metrics.verified_blocks.labels("mismatch").inc(bad)
         self._metrics.verified_blocks.labels("identical").inc(max(0, total - bad))
         self._metrics.verified.labels("mismatch" if bad else "identical").inc()
@@ -355,9 +415,13 @@ class Receiver:
                                              reason=exp.reason))
 
     def _request_cancel(self, rank: Rank, entry: PendingRecv) -> None:
+        """Ask each source that may still write to cancel (one ``CancelPush`` per P rank)."""
         peer = self._peers.find_engine(entry.remote.engine_id)
-        if peer is None or peer.daemon_id != entry.p_daemon or not self._peers.send(
-                peer, pp.CancelPush(request_id=entry.request_id, rank=rank.number)):
+        sent = peer is not None and peer.daemon_id == entry.p_daemon and all([
+            self._peers.send(peer, pp.CancelPush(request_id=entry.request_id, rank=rank.number,
+                                                 source_rank=p_rank if p_rank != rank.number else -1))
+            for p_rank in sorted(entry.sources[a] for a in entry.open)])
+        if not sent:
             # P cannot confirm, but a WRITE it posted may still land: the blocks stay
             # held until P's loss is noticed and its grace ends (or the WRITE completes).
             log.warning("cancel_unsent", request_id=entry.request_id, rank=rank.number, peer=entry.remote.engine_id,

@@ -1,5 +1,6 @@
-"""D's PUSH_REGs out: a registration (or a release) goes to P's agent of the same rank,
-at once where P's daemon is known, else after a handshake in a task of its own so no other
+"""D's PUSH_REGs out: a registration (or a release) goes to P's agents that write into
+this rank (the same rank at equal TP; with P TP = k x D TP, the k ranks ``state/tp.py``
+names, one PUSH_REG each), at once where P's daemon is known, else after a handshake in a task of its own so no other
 request waits behind it. Part of D's side (``receiver.py``), which owns the tables."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
 from pushsvc.server.tasks import TaskSet
 from pushsvc.server.timelines import Timelines
+from pushsvc.state import tp
 from pushsvc.state.consumer import ConsumerTable, PendingRecv
 from pushsvc.state.timeline import RECV
 
@@ -35,7 +37,8 @@ class Identity:
 class Registrar:
     def __init__(self, *, identity: Identity, peers: PeerLink, tasks: TaskSet, landing: Landing,
                  timelines: Timelines, table: Callable[[Rank], ConsumerTable],
-                 fail: Callable[[Rank, str, str, str], None], wake: Callable[[], None]) -> None:
+                 fail: Callable[[Rank, str, str, str], None], withdraw: Callable[[Rank, str, str], None],
+                 wake: Callable[[], None]) -> None:
         self._identity = identity
         self._peers = peers
         self._tasks = tasks
@@ -43,6 +46,7 @@ class Registrar:
         self._timelines = timelines
         self._table = table  # the rank's registrations (the Receiver's)
         self._fail = fail  # (rank, request id, kind, reason): the registration failed
+        self._withdraw = withdraw  # (rank, request id, reason): it failed after some of P's ranks got it
         self._wake = wake
 
     def dispatch(self, rank: Rank, entry: PendingRecv) -> None:
@@ -82,23 +86,37 @@ class Registrar:
             self._send(rank, entry, peer)
 
     def _send(self, rank: Rank, entry: PendingRecv, peer: Peer) -> None:
+        sent: dict[str, int] = {}
         try:
-            agent = self._push_reg(rank, entry, peer)
-        except TransferError as exc:
-            self._fail(rank, entry.request_id, "push_reg_send_failed", str(exc))
+            self._push_reg(rank, entry, peer, sent)
+        except (TransferError, HandshakeError) as exc:
+            kind = "push_reg_send_failed" if isinstance(exc, TransferError) else "handshake_failed"
+            if not sent:
+                self._fail(rank, entry.request_id, kind, str(exc))
+                return
+            # Some of P's ranks have it and may write: withdrawn from them, never dropped.
+            self._table(rank).mark_sent(entry.request_id, peer.daemon_id, sent)
+            self._withdraw(rank, entry.request_id, f"{kind}: {exc}")
             return
-        except HandshakeError as exc:
-            self._fail(rank, entry.request_id, "handshake_failed", str(exc))
-            return
-        self._table(rank).mark_sent(entry.request_id, peer.daemon_id, agent)
+        self._table(rank).mark_sent(entry.request_id, peer.daemon_id, sent)
         self._timelines.mark(rank, RECV, entry.request_id, "push_reg_sent")
         self._wake()
 
-    def _push_reg(self, rank: Rank, entry: PendingRecv, peer: Peer) -> str:
-        """Send ``entry``'s PUSH_REG to ``peer``'s agent of this rank; return that agent."""
-        target = peer.agent_for_rank(rank.number)
-        if target is None:
-            raise HandshakeError(f"peer {peer.engine_id} has no rank {rank.number}")
+    def _push_reg(self, rank: Rank, entry: PendingRecv, peer: Peer, sent: dict[str, int] | None = None) -> None:
+        """Send ``entry``'s PUSH_REG to each of ``peer``'s agents that write into this
+        rank; ``sent`` collects them (agent -> P rank) as they go out."""
+        p_tp = entry.remote.tp_size
+        why = tp.refusal(p_tp, rank.tp_size)
+        if why:
+            raise HandshakeError(why)
+        ranks = tp.sources(rank.number, rank.tp_size, p_tp)
+        if len(ranks) > 1 and peer.minor < pp.HETERO_TP_MINOR:
+            raise HandshakeError(f"P daemon {peer.engine_id} speaks side channel 1.{peer.minor}; P TP {p_tp} -> "
+                                 f"D TP {rank.tp_size} needs 1.{pp.HETERO_TP_MINOR}")
+        targets = [peer.agent_for_rank(r) for r in ranks]
+        missing = [r for r, t in zip(ranks, targets) if t is None or t.tp_size != p_tp]
+        if missing:
+            raise HandshakeError(f"peer {peer.engine_id} has no rank {missing[0]} of TP {p_tp}")
         me = self._identity
         # A landing rank's registration names its landing slots, which P WRITEs into.
         blocks = self._landing.slot_ids(rank, entry.request_id) if self._landing.tracks(
@@ -119,5 +137,9 @@ class Registrar:
             # An older P refuses a field it does not know: set it only where P's minor says.
             match_key=entry.match_key if peer.minor >= pp.MATCH_KEY_MINOR else "",
         )
-        rank.agent.send_notif(target.agent_name, notif.encode_push_reg(reg))
-        return target.agent_name
+        payload = notif.encode_push_reg(reg)
+        for target in targets:
+            assert target is not None
+            rank.agent.send_notif(target.agent_name, payload)
+            if sent is not None:
+                sent[target.agent_name] = target.rank

@@ -19,7 +19,15 @@ from pushsvc.engine.base import Agent, DListHandle
 from pushsvc.errors import LayoutError, TransferError
 from pushsvc.protocol.notif import PushReg
 from pushsvc.protocol.peer import AgentInfo
-from pushsvc.state.layout import Layout, RegionSpec, check_block_ids, check_compatible, descriptor_table
+from pushsvc.state import tp
+from pushsvc.state.layout import (
+    Layout,
+    RegionSpec,
+    check_block_ids,
+    check_compatible,
+    descriptor_table,
+    head_slice,
+)
 
 log = structlog.get_logger("pushsvc.remotes")
 
@@ -27,19 +35,38 @@ log = structlog.get_logger("pushsvc.remotes")
 def layout_of_agent(info: AgentInfo) -> Layout:
     """A remote agent's layout, as its daemon described it in the hello."""
     return Layout(
-        tuple(RegionSpec(r.base, r.block_len, r.num_blocks, r.stride, r.group) for r in info.regions),
+        tuple(RegionSpec(r.base, r.block_len, r.num_blocks, r.stride, r.group, r.heads) for r in info.regions),
         info.blocks_per_logical,
     )
 
 
-def registration_error(engine_id: str, info: AgentInfo, reg: PushReg) -> tuple[str, str] | None:
-    """Why the known agent ``info`` of engine ``engine_id`` may not send ``reg``, as
-    (reason, message), or None. An agent registers only for its own engine, rank and TP
-    size (so it cannot squat on a request id the real D will use), and only blocks inside
-    the layout it advertised (blocks outside it could never be written)."""
+def view_of(info: AgentInfo, rank: int, tp_size: int) -> Layout:
+    """What local (P) rank ``rank`` of ``tp_size`` WRITEs into of the remote agent
+    ``info``: its whole layout at equal TP; with P TP = k x D TP, the head slice of its
+    blocks that this rank's heads fill (``state/tp.py``)."""
+    why = tp.refusal(tp_size, info.tp_size)
+    if why:
+        raise LayoutError(why)
+    d_rank, index = tp.served(rank, tp_size, info.tp_size)
+    if info.rank != d_rank:
+        raise LayoutError(f"remote rank {info.rank} is not the D rank {d_rank} that rank {rank} writes into")
+    return head_slice(layout_of_agent(info), tp.ratio(tp_size, info.tp_size), index)
+
+
+def registration_error(engine_id: str, info: AgentInfo, reg: PushReg, rank: int, tp_size: int) -> tuple[str, str] | None:
+    """Why the known agent ``info`` of engine ``engine_id`` may not send ``reg`` to local
+    rank ``rank`` of ``tp_size``, as (reason, message), or None. An agent registers only
+    for its own engine, rank and TP size (so it cannot squat on a request id the real D
+    will use), with the P rank that writes into it, naming P's TP as it is, and only
+    blocks inside the layout it advertised (blocks outside it could never be written)."""
     if engine_id != reg.decode_engine_id or info.rank != reg.decode_rank or info.tp_size != reg.decode_tp_size:
         return ("push_reg_sender_mismatch",
                 f"agent of {engine_id} rank {info.rank} sent a PUSH_REG for {reg.decode_engine_id} rank {reg.decode_rank}")
+    if reg.remote_tp_size != tp_size:
+        return "push_reg_tp", f"PUSH_REG says P TP {reg.remote_tp_size}, P runs TP {tp_size}"
+    if not tp.pairs(rank, tp_size, info.rank, info.tp_size) or tp.refusal(tp_size, info.tp_size):
+        return ("push_reg_tp", tp.refusal(tp_size, info.tp_size)
+                or f"D rank {info.rank} of TP {info.tp_size} does not take KV from P rank {rank} of TP {tp_size}")
     try:
         check_block_ids(layout_of_agent(info), reg.local_block_ids, "PUSH_REG")
     except LayoutError as exc:
@@ -48,10 +75,11 @@ def registration_error(engine_id: str, info: AgentInfo, reg: PushReg) -> tuple[s
 
 
 class RemoteAgents:
-    def __init__(self, agent: Agent, max_descriptors: int, *, prepare: bool) -> None:
+    def __init__(self, agent: Agent, max_descriptors: int, *, prepare: bool, rank: int = 0, tp_size: int = 1) -> None:
         self._agent = agent
         self._max = max_descriptors
         self._prepare = prepare  # prepare each remote's descriptors (the WRITing side)
+        self._rank, self._tp_size = rank, tp_size  # the local agent's rank: which slice it writes
         self._loaded: set[str] = set()
         self._dlists: dict[str, DListHandle] = {}  # remote agent -> prepared list
         self._verdicts: dict[str, str] = {}  # remote agent -> "" (fits) or why not
@@ -71,8 +99,8 @@ class RemoteAgents:
             if loaded != name:
                 raise TransferError(f"metadata names agent {loaded}, hello said {name}")
             if self._prepare:
-                self._dlists[name] = self._agent.prep_remote(name, descriptor_table(layout_of_agent(info), info.device),
-                                                             info.mem_type)
+                view = view_of(info, self._rank, self._tp_size)
+                self._dlists[name] = self._agent.prep_remote(name, descriptor_table(view, info.device), info.mem_type)
             self._loaded.add(name)
             self._verdicts.pop(name, None)
             self._layouts.pop(name, None)
@@ -95,6 +123,7 @@ class RemoteAgents:
         remote = layout_of_agent(info)
         if verdict is None:
             try:
+                remote = view_of(info, self._rank, self._tp_size)
                 check_compatible(local, remote)
                 if name not in self._dlists:
                     raise LayoutError(f"agent {name} was not loaded" if name not in self._loaded

@@ -165,7 +165,7 @@ class Sender:
             self._malformed("push_reg_departed_agent", sender, ProtocolError(f"PUSH_REG from departed agent {sender}"))
             self._release_counterpart(rank, reg)
             return
-        if peer is not None and not self._sender_checks_out(peer, sender, reg):
+        if peer is not None and not self._sender_checks_out(rank, peer, sender, reg):
             return
         self._metrics.notifications.labels("push_reg").inc()
         result = self._of(rank).table.add_registration(reg, sender, self._now(), verified=peer is not None)
@@ -200,21 +200,21 @@ class Sender:
                 log.info("registration_dropped", request_id=registration.request_id, peer=peer.engine_id,
                          reason="its agent was replaced")
             for registration in state.table.unverified_from(names):
-                if not self._sender_checks_out(peer, registration.sender, registration.reg):
+                if not self._sender_checks_out(rank, peer, registration.sender, registration.reg):
                     state.table.drop_registration(registration.key)
                     continue
                 result = state.table.confirm(registration.key, self._now())
                 if result is not None:
                     self._registered(rank, registration.reg, registration.sender, peer, result)
 
-    def _sender_checks_out(self, peer: Peer, sender: str, reg: notif.PushReg) -> bool:
-        error = registration_error(peer.engine_id, peer.agents[sender], reg)
+    def _sender_checks_out(self, rank: Rank, peer: Peer, sender: str, reg: notif.PushReg) -> bool:
+        error = registration_error(peer.engine_id, peer.agents[sender], reg, rank.number, rank.tp_size)
         if error is None:
             return True
         reason, message = error
         self._malformed(reason, sender, ProtocolError(message))
-        if reason == "push_reg_blocks":  # D's own registration, with blocks it cannot have: D hears why
-            self._tell_d(peer, reg, f"registration rejected: {message}")
+        if reason in ("push_reg_blocks", "push_reg_tp"):  # D's own registration, that cannot be written: D hears why
+            self._tell_d(rank, peer, reg, f"registration rejected: {message}")
         return False
 
     def _registered(self, rank: Rank, reg: notif.PushReg, sender: str, peer: Peer | None, result: RegResult) -> None:
@@ -247,7 +247,7 @@ class Sender:
             if peer is not None and any(reg.local_block_ids):  # a release needs no answer
                 why = ("the exchange's P request already ended" if outcome is RegOutcome.FINISHED
                        else "P holds too many registrations")
-                self._tell_d(peer, reg, f"registration refused: {why}")
+                self._tell_d(rank, peer, reg, f"registration refused: {why}")
 
     def _ambiguous(self, rank: Rank, p_requests: list[str],
                    registrations: list[Registration] | tuple[Registration, ...], peer: Peer | None = None) -> None:
@@ -263,7 +263,7 @@ class Sender:
         for r in registrations:
             target = self._peers.find_agent(r.sender) or peer
             if target is not None:
-                self._tell_d(target, r.reg, reason)
+                self._tell_d(rank, target, r.reg, reason)
 
     # ------------------------------------------------------------------ the WRITE
 
@@ -338,6 +338,7 @@ class Sender:
                   descriptors=len(push.plan.src_indices), parts=len(handles))
         if XferState.PROC in states or push.digests:
             self._peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank,
+                                                   source_rank=_source(rank, reg),
                                                    nbytes=push.plan.nbytes, digests=push.digests))
         self._settle_parts(rank, write, states)
         self._wake()
@@ -383,7 +384,7 @@ class Sender:
             self._fail_push(rank, write.match, self._peers.find_agent(write.remote_agent), kind, reason,
                             notify_remote=not write.cancelled)
         if write.cancelled:
-            self._ack_cancel(write.match.registration)
+            self._ack_cancel(rank, write.match.registration)
 
     def _fail_push(self, rank: Rank, match: Match, peer: Peer | None, kind: str, reason: str,
                    notify_remote: bool = True) -> None:
@@ -397,10 +398,11 @@ class Sender:
         self._outbox.tell(rank, wp.SendFailed(request_id=match.request_id, reason=f"{kind}: {reason}"))
         peer = peer or self._peers.find_agent(match.registration.sender)
         if notify_remote and peer is not None:
-            self._tell_d(peer, reg, f"{kind}: {reason}")
+            self._tell_d(rank, peer, reg, f"{kind}: {reason}")
 
-    def _tell_d(self, peer: Peer, reg: notif.PushReg, reason: str) -> None:
-        self._peers.send(peer, pp.PushFailed(request_id=reg.request_id, rank=reg.decode_rank, reason=reason[:4096]))
+    def _tell_d(self, rank: Rank, peer: Peer, reg: notif.PushReg, reason: str) -> None:
+        self._peers.send(peer, pp.PushFailed(request_id=reg.request_id, rank=reg.decode_rank, reason=reason[:4096],
+                                             source_rank=_source(rank, reg)))
 
     # ------------------------------------------------------------------ cancellation
 
@@ -411,7 +413,8 @@ class Sender:
             # No such rank (its worker left and the rank was released): nothing of ours
             # can write into D's blocks, and D waits for our word, so it gets it.
             self._metrics.malformed.labels("side_channel", "unknown_cancel").inc()
-            self._peers.send(peer, pp.PushCancelled(request_id=msg.request_id, rank=msg.rank))
+            self._peers.send(peer, pp.PushCancelled(request_id=msg.request_id, rank=msg.rank,
+                                                    source_rank=msg.source_rank))
             return
         # A PUSH_REG already queued in the agent is read first; one still on the wire
         # meets the tombstone ``cancel_registration`` leaves.
@@ -431,13 +434,14 @@ class Sender:
                 return
             # Matched, handshake still running: nothing posted yet.
             self._fail_push(rank, match, None, "cancelled", "D withdrew the registration", notify_remote=False)
-        self._peers.send(peer, pp.PushCancelled(request_id=msg.request_id, rank=msg.rank))
+        self._peers.send(peer, pp.PushCancelled(request_id=msg.request_id, rank=msg.rank, source_rank=msg.source_rank))
 
-    def _ack_cancel(self, registration: Registration) -> None:
+    def _ack_cancel(self, rank: Rank, registration: Registration) -> None:
         peer = self._peers.find_agent(registration.sender) or self._peers.find_engine(registration.reg.decode_engine_id)
         if peer is not None:
             self._peers.send(peer, pp.PushCancelled(request_id=registration.request_id,
-                                                    rank=registration.reg.decode_rank))
+                                                    rank=registration.reg.decode_rank,
+                                                    source_rank=_source(rank, registration.reg)))
 
     def refuse_registrations(self, rank: Rank, reason: str) -> None:
         """Drop the registrations ``rank`` holds unmatched and tell each D now."""
@@ -447,7 +451,7 @@ class Sender:
         for registration in state.table.drop_registrations_from({r.sender for r in state.table.registrations.values()}):
             peer = self._peers.find_agent(registration.sender)
             if peer is not None:
-                self._tell_d(peer, registration.reg, reason)
+                self._tell_d(rank, peer, registration.reg, reason)
 
     # ------------------------------------------------------------------ peers, timers
 
@@ -531,3 +535,8 @@ class Sender:
 
     def __repr__(self) -> str:
         return f"<Sender ranks={len(self._ranks)} writes={self.writes_in_flight()}>"
+
+
+def _source(rank: Rank, reg: notif.PushReg) -> int:
+    """``source_rank`` for a message about ``reg``: this P rank, where it is not D's rank."""
+    return rank.number if rank.number != reg.decode_rank else -1

@@ -34,6 +34,7 @@ from pushsvc.server.remotes import RemoteAgents
 from pushsvc.server.sender import Sender, SendSettings
 from pushsvc.server.tasks import TaskSet
 from pushsvc.server.timelines import Timelines
+from pushsvc.state import tp
 from pushsvc.state.layout import MAX_DESCRIPTORS
 
 log = structlog.get_logger("pushsvc.service")
@@ -116,7 +117,8 @@ class PushService:
         agent = self.engine.create_agent(name)
         # The kernel's word for the worker's pid (SO_PEERCRED), not the hello's: a process
         # that reconnects is recognised by it (``RankRegistry.successor``).
-        remotes = RemoteAgents(agent, MAX_DESCRIPTORS, prepare=hello.role != "consumer")
+        remotes = RemoteAgents(agent, MAX_DESCRIPTORS, prepare=hello.role != "consumer", rank=hello.rank,
+                               tp_size=hello.tp_size)
         rank = Rank(hello.rank, hello.tp_size, hello.role, conn.pid, agent, remotes, conn=conn)
         self.ranks.current[hello.rank] = rank
         self.metrics.agents.set(len(self.ranks.current))
@@ -237,10 +239,11 @@ class PushService:
         self.sender.agents_known(peer, {a.agent_name for a in agents})
 
     def _load_agents(self, peer: Peer, agents: list[pp.AgentInfo], ranks: list[Rank]) -> None:
-        # Rank r pairs with the peer's rank r (equal TP): it loads only that agent.
+        # A rank loads only the peer's agents it pairs with: rank r with the peer's rank r
+        # at equal TP; with P TP = k x D TP, D rank j with P ranks jk..jk+k-1 (``state/tp``).
         for rank in ranks:
             for info in agents:
-                if info.rank == rank.number:
+                if tp.pairs(rank.number, rank.tp_size, info.rank, info.tp_size):
                     rank.remotes.load(info)
 
     def peer_down(self, peer: Peer) -> None:
@@ -257,7 +260,7 @@ class PushService:
         self.receiver.push_failed(peer, msg, self.ranks.numbered(msg.rank))
 
     def cancel_push(self, peer: Peer, msg: pp.CancelPush) -> None:
-        self.sender.cancel_push(peer, msg, self.ranks.numbered(msg.rank))
+        self.sender.cancel_push(peer, msg, self.ranks.numbered(pp.source_rank(msg)))  # P's rank it names
 
     def push_cancelled(self, peer: Peer, msg: pp.PushCancelled) -> None:
         self.receiver.push_cancelled(peer, msg, self.ranks.numbered(msg.rank))

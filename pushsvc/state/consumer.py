@@ -16,8 +16,14 @@ Only once P is *lost* (no session) does a timer start: ``cancel_grace_s``, after
 the blocks are given back; and P known *dead* (a new incarnation said hello) ends the
 wait at once.
 
-``expected`` is how many completion notifications this rank must see: the P ranks that
-write into it (P TP / D TP, at least 1).
+**Sources.** The P ranks that write into this rank (``expected`` of them: one at equal
+TP, k with P TP = k x D TP, ``state/tp.py``) are the entry's *sources*, each by its
+agent. A source is *open* while it may still write: its completion (counted once, and
+only from that agent), its ``PushCancelled`` or its ``PushFailed`` closes it. The entry
+ends only once no source is open: done if every source landed, else failed. A
+``PushFailed`` from one source withdraws the entry from the others (CANCELLING), never
+frees blocks another source may still be writing into. In verify mode each source's
+digests are kept apart, for its own slice of the blocks.
 
 A block belongs to at most one tracked registration (``holder``), so the daemon can
 refuse a second registration naming a block P may still write into.
@@ -59,24 +65,50 @@ class PendingRecv:
     # grace for a CANCELLING entry whose P is lost (None: wait for P's answer); the
     # digest wait while LANDED.
     deadline: float | None
-    expected: int
+    expected: int  # sources: the P ranks that write into this rank
     match_key: str = ""
-    p_daemon: str = ""  # the P incarnation the PUSH_REG went to
-    p_agent: str = ""  # ... and its agent, the only one whose completion counts
-    seen: int = 0
+    p_daemon: str = ""  # the P incarnation the PUSH_REGs went to
+    sources: dict[str, int] = field(default_factory=dict)  # their agents -> P rank: only these count
+    open: set[str] = field(default_factory=set)  # sources that may still write
+    landed: set[str] = field(default_factory=set)  # sources whose completion came
     state: RecvState = RecvState.PENDING
     reason: str = CANCELLED  # why a CANCELLING entry is being withdrawn
     announced_at: float | None = None  # P's WriteStarted arrived (hot polling)
-    digests: bytes | None = None  # verify mode: P's digests, from WriteStarted
+    digests: dict[str, bytes] = field(default_factory=dict)  # verify mode: each source's, from WriteStarted
 
     @property
     def flat_block_ids(self) -> list[int]:
         return [b for group in self.block_ids for b in group]
 
     @property
+    def seen(self) -> int:
+        return len(self.landed)
+
+    def agent_of(self, p_rank: int) -> str | None:
+        """The source agent of P rank ``p_rank``."""
+        return next((a for a, r in self.sources.items() if r == p_rank), None)
+
+    @property
+    def complete(self) -> bool:
+        """Every source landed."""
+        return bool(self.sources) and self.landed == set(self.sources)
+
+    @property
+    def all_digests(self) -> bool:
+        return set(self.digests) >= set(self.sources)
+
+    @property
     def held(self) -> bool:
         """Withdrawn while P is lost: the grace timer runs."""
         return self.state is RecvState.CANCELLING and self.deadline is not None
+
+
+class SourceOutcome(Enum):
+    NONE = "none"  # not a source that may write, or nothing changes
+    WAIT = "wait"  # other sources may still write: keep waiting
+    CANCEL = "cancel"  # the failed source withdrew the entry: ask the open sources to cancel
+    HELD = "held"  # as CANCEL, but P cannot be asked: the grace timer runs
+    FINAL = "final"  # no source can write any more: the entry is gone, report it now
 
 
 class CompletionOutcome(Enum):
@@ -134,12 +166,13 @@ class ConsumerTable:
                 self._holders.setdefault((g, b), request_id)
         return entry
 
-    def mark_sent(self, request_id: str, p_daemon: str, p_agent: str) -> bool:
+    def mark_sent(self, request_id: str, p_daemon: str, sources: dict[str, int]) -> bool:
+        """The PUSH_REGs went to the agents ``sources`` (agent -> P rank) of ``p_daemon``."""
         entry = self.pending.get(request_id)
-        if entry is None or entry.state is not RecvState.PENDING:
+        if entry is None or entry.state is not RecvState.PENDING or not sources:
             return False
         entry.state = RecvState.SENT
-        entry.p_daemon, entry.p_agent = p_daemon, p_agent
+        entry.p_daemon, entry.sources, entry.open = p_daemon, dict(sources), set(sources)
         return True
 
     def sent_by(self, request_id: str, p_daemon: str) -> PendingRecv | None:
@@ -147,36 +180,39 @@ class ConsumerTable:
         entry = self.pending.get(request_id)
         return entry if entry is not None and entry.p_daemon and entry.p_daemon == p_daemon else None
 
-    def announce(self, request_id: str, p_daemon: str, digests: bytes, now: float) -> PendingRecv | None:
-        """P said it posted the WRITE (``WriteStarted``). Returns the entry if that
-        completes it: a LANDED entry whose digests were the last thing missing (it is
-        removed; the caller verifies and reports)."""
+    def announce(self, request_id: str, p_daemon: str, p_rank: int, digests: bytes,
+                 now: float) -> PendingRecv | None:
+        """P rank ``p_rank`` said it posted its WRITE (``WriteStarted``). Returns the entry
+        if that completes it: a LANDED entry whose digests were the last thing missing (it
+        is removed; the caller verifies and reports)."""
         entry = self.sent_by(request_id, p_daemon)
-        if entry is None:
+        agent = entry.agent_of(p_rank) if entry is not None else None
+        if entry is None or agent is None:
             return None
         if self.verify:
-            entry.digests = digests
+            entry.digests[agent] = digests
         if entry.state is RecvState.LANDED:
-            return self._drop(request_id)
+            return self._drop(request_id) if entry.all_digests else None
         entry.announced_at = now
         return None
 
     def on_completion(self, request_id: str, sender: str, now: float) -> tuple[CompletionOutcome, PendingRecv | None]:
-        """A completion notification from agent ``sender``; it counts only from the agent
-        the PUSH_REG went to."""
+        """A completion notification from agent ``sender``; it counts once, and only from
+        a source the PUSH_REG went to that may still write."""
         entry = self.pending.get(request_id)
-        if entry is None or entry.state in (RecvState.PENDING, RecvState.LANDED) or entry.p_agent != sender:
+        if entry is None or entry.state in (RecvState.PENDING, RecvState.LANDED) or sender not in entry.open:
             return CompletionOutcome.UNKNOWN, None
-        entry.seen += 1
-        if entry.seen < entry.expected:
+        entry.open.discard(sender)
+        entry.landed.add(sender)
+        if entry.open:
             return CompletionOutcome.PARTIAL, entry
-        if entry.state is RecvState.CANCELLING and entry.reason != PEER_LOST:
+        if not entry.complete or (entry.state is RecvState.CANCELLING and entry.reason != PEER_LOST):
             self._drop(request_id)
             return CompletionOutcome.CANCELLED, entry
         if not self.verify:
             self._drop(request_id)
             return CompletionOutcome.DONE, entry
-        if entry.digests is not None:
+        if entry.all_digests:
             self._drop(request_id)
             return CompletionOutcome.VERIFY, entry
         # Every byte landed, but the digests (sent on the side channel) are behind the
@@ -188,10 +224,40 @@ class ConsumerTable:
     def fail(self, request_id: str) -> PendingRecv | None:
         return self._drop(request_id)
 
-    def evict(self, request_id: str, now: float, peer_alive: bool) -> tuple[EvictOutcome, PendingRecv | None]:
-        """The worker withdrew ``request_id``. A registration P may be writing into
-        becomes CANCELLING: with a live session to P it waits for P's answer (no timer),
-        without one the grace timer runs."""
+    def source_cancelled(self, request_id: str, p_daemon: str, p_rank: int) -> PendingRecv | None:
+        """P rank ``p_rank`` confirmed a cancel: it writes nothing more. Returns the entry
+        if no source may write any more (it is removed; the caller reports it)."""
+        entry = self.sent_by(request_id, p_daemon)
+        if entry is None or entry.state is not RecvState.CANCELLING:
+            return None  # the WRITE's completion got here first: already final
+        agent = entry.agent_of(p_rank)
+        if agent is None or agent not in entry.open:
+            return None
+        entry.open.discard(agent)
+        return None if entry.open else self._drop(request_id)
+
+    def source_failed(self, request_id: str, p_daemon: str, p_rank: int, reason: str, now: float,
+                      peer_alive: bool) -> tuple[SourceOutcome, PendingRecv | None]:
+        """P rank ``p_rank`` cannot write (``PushFailed``). The entry fails; while another
+        source may still write it is withdrawn from them first (``reason`` kept)."""
+        entry = self.sent_by(request_id, p_daemon)
+        agent = entry.agent_of(p_rank) if entry is not None else None
+        if entry is None or agent is None:
+            return SourceOutcome.NONE, None
+        entry.open.discard(agent)
+        if not entry.open or entry.state is RecvState.LANDED:
+            return SourceOutcome.FINAL, self._drop(request_id)
+        if entry.state is RecvState.CANCELLING:
+            return SourceOutcome.WAIT, entry  # withdrawn already: the others' answers end it
+        entry.state, entry.reason = RecvState.CANCELLING, reason
+        outcome, _ = self._withdrawn(entry, now, peer_alive)
+        return (SourceOutcome.CANCEL if outcome is EvictOutcome.CANCEL else SourceOutcome.HELD), entry
+
+    def evict(self, request_id: str, now: float, peer_alive: bool,
+              reason: str = CANCELLED) -> tuple[EvictOutcome, PendingRecv | None]:
+        """The worker (or, with ``reason``, the daemon) withdrew ``request_id``. A
+        registration P may be writing into becomes CANCELLING: with a live session to P it
+        waits for P's answer (no timer), without one the grace timer runs."""
         entry = self.pending.get(request_id)
         if entry is None:
             return EvictOutcome.NONE, None
@@ -200,11 +266,11 @@ class ConsumerTable:
                 return EvictOutcome.NONE, None  # withdrawn already
             # Held for a lost P: its grace keeps running, but the worker withdrew it, so
             # a WRITE that still lands no longer makes it done.
-            entry.reason = CANCELLED
+            entry.reason = reason
             return EvictOutcome.HELD, entry
         if entry.state is not RecvState.SENT:  # PENDING: P never saw it; LANDED: all written
             return EvictOutcome.FINAL, self._drop(request_id)
-        entry.state, entry.reason = RecvState.CANCELLING, CANCELLED
+        entry.state, entry.reason = RecvState.CANCELLING, reason
         return self._withdrawn(entry, now, peer_alive)
 
     def peer_lost(self, p_daemon: str, now: float) -> list[PendingRecv]:

@@ -29,6 +29,7 @@ class RegionSpec:
     num_blocks: int
     stride: int
     group: int = 0
+    heads: int = 0  # KV heads stored outermost in each block (head-major); 0: not split-able
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,28 @@ class Layout:
     @property
     def bytes_per_logical_block(self) -> int:
         return sum(r.block_len for r in self.regions) * self.blocks_per_logical
+
+
+def head_slice(layout: Layout, parts: int, index: int) -> Layout:
+    """Slice ``index`` of ``parts`` of every block: the KV heads ``index*h/parts`` up to
+    ``(index+1)*h/parts`` of a head-major block of ``h`` heads, a contiguous byte range.
+    It is what one of ``parts`` P ranks (P TP = parts x D TP) holds of a D rank's block.
+    A region whose blocks are not head-major, or whose heads do not split evenly, cannot
+    be sliced: a head-interleaved block (NHD) would need a descriptor per token."""
+    if parts == 1:
+        return layout
+    if not 0 <= index < parts:
+        raise LayoutError(f"head slice {index} of {parts}")
+    out = []
+    for i, r in enumerate(layout.regions):
+        if r.heads <= 1:
+            raise LayoutError(f"region {i}: blocks are not head-major, they cannot be split between {parts} P ranks")
+        if r.heads % parts or r.block_len % r.heads:
+            raise LayoutError(f"region {i}: {r.heads} KV heads of a {r.block_len}-byte block do not split "
+                              f"between {parts} P ranks")
+        length = r.block_len // parts
+        out.append(RegionSpec(r.base + index * length, length, r.num_blocks, r.stride, r.group, r.heads // parts))
+    return Layout(tuple(out), layout.blocks_per_logical)
 
 
 def descriptor_table(layout: Layout, device_id: int = 0) -> np.ndarray:

@@ -525,6 +525,34 @@ def assert_like_colocated(got: dict[str, Outcome], refs: dict[str, Outcome], req
     assert len(diverged) <= len(reqs) // 24, f"outputs differ from colocated: {detail}"
 
 
+def top_logprobs(outcome: Outcome, position: int) -> dict[int, float]:
+    """The best tokens at ``position`` of a completion asked with ``logprobs`` and
+    ``return_tokens_as_token_ids``: token id -> logprob."""
+    tops = outcome.body["choices"][0]["logprobs"]["top_logprobs"][position]
+    return {int(key.removeprefix("token_id:")): lp for key, lp in tops.items()}
+
+
+def differences_at_ties(reqs: Sequence[Req], got: dict[str, Outcome], refs: dict[str, Outcome],
+                        near_tie: float) -> tuple[list[str], dict[str, str]]:
+    """Where each output first differs from its reference: one line per differing request
+    (the position, both tokens, the reference's logprob gap between them and ours), and
+    the lines of those whose reference gap is beyond ``near_tie`` nats (not a bf16 tie)."""
+    report, not_ties = [], {}
+    for req in reqs:
+        mine, ref = got[req.name], refs[req.name]
+        at = diverged_at(mine.tokens, ref.tokens)
+        if at is None:
+            continue
+        ref_top, my_top = top_logprobs(ref, at), top_logprobs(mine, at)
+        ours, theirs = mine.tokens[at], ref.tokens[at]
+        gap = ref_top[theirs] - ref_top.get(ours, float("-inf"))
+        report.append(f"{req.name}: token {at}, colocated {theirs} vs P/D {ours}, colocated's gap {gap:.4f} nats, "
+                      f"P/D's {my_top[ours] - my_top.get(theirs, float('-inf')):.4f}")
+        if not gap <= near_tie:
+            not_ties[req.name] = report[-1]
+    return report, not_ties
+
+
 def diverged_at(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first differing token, None if equal."""
     for i, (x, y) in enumerate(zip(a, b)):

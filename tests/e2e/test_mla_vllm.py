@@ -30,7 +30,7 @@ from helpers import (
     Outcome,
     Req,
     completion,
-    diverged_at,
+    differences_at_ties,
     generate,
     generate_all,
     get_json,
@@ -101,12 +101,6 @@ def _done(pd: MlaPD) -> float:
     return metric(scrape(pd.prefill_daemon.url), "pushsvc_transfers_total", result="done") or 0.0
 
 
-def _top(outcome: Outcome, position: int) -> dict[int, float]:
-    """The best tokens at ``position`` of a completion, token id -> logprob."""
-    tops = outcome.body["choices"][0]["logprobs"]["top_logprobs"][position]
-    return {int(key.removeprefix("token_id:")): lp for key, lp in tops.items()}
-
-
 def test_each_layer_is_one_region_of_latent_rows(mla: MlaPD) -> None:
     for daemon in (mla.prefill_daemon, mla.decode_daemon):
         agents = get_json(f"{daemon.url}/v1/info")["agents"]
@@ -132,19 +126,7 @@ def test_pushes_verify_and_d_differs_from_colocated_only_at_near_ties(mla: MlaPD
                                 for k, v in (verify_results(mla.decode_daemon.url) or {}).items()},
                        lambda d: sum(d.values()) >= len(mla.reqs), SETTLE_S)
     assert checked.get("identical", 0) == len(mla.reqs) == sum(checked.values()), checked
-    report, not_ties = [], {}
-    for req in mla.reqs:
-        mine, ref = got[req.name], mla.refs[req.name]
-        at = diverged_at(mine.tokens, ref.tokens)
-        if at is None:
-            continue
-        ref_top, my_top = _top(ref, at), _top(mine, at)
-        ours, theirs = mine.tokens[at], ref.tokens[at]
-        gap = ref_top[theirs] - ref_top.get(ours, float("-inf"))
-        report.append(f"{req.name}: token {at}, colocated {theirs} vs D {ours}, colocated's gap {gap:.4f} nats, "
-                      f"D's {my_top[ours] - my_top.get(theirs, float('-inf')):.4f}")
-        if not gap <= NEAR_TIE:
-            not_ties[req.name] = report[-1]
+    report, not_ties = differences_at_ties(mla.reqs, got, mla.refs, NEAR_TIE)
     print(f"{len(mla.reqs) - len(report)} of {len(mla.reqs)} outputs equal colocated; the others:",
           *report, sep="\n  ")
     assert not not_ties, f"outputs differ from colocated beyond a near-tie: {not_ties}"

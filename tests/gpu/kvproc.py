@@ -77,20 +77,26 @@ class KV:
         torch.cuda.synchronize()
         self.snapshot: list[torch.Tensor] | None = None
 
-    def block_bytes(self, blocks: list[int]) -> list[bytes]:
-        """Every byte of each block, over every layer, in one fixed order."""
+    def block_bytes(self, blocks: list[int], heads: tuple[int, int] | None = None) -> list[bytes]:
+        """Every byte of each block, over every layer, in one fixed order; ``heads``: only
+        the KV heads ``h0 <= h < h1`` (the ``hnd`` layout: heads outermost in a block)."""
         index = torch.tensor(blocks, dtype=torch.long, device="cuda")
         parts = []
         for t, d in self.storage:
+            if heads is not None:
+                if self.layout != "hnd":
+                    raise ValueError("head ranges only for the hnd layout")
+                t = t[:, :, heads[0]:heads[1]]  # storage [2, blocks, heads, block_size, dim]
             picked = t.index_select(d, index).movedim(d, 0).contiguous()
             parts.append(picked.view(torch.uint8).reshape(len(blocks), -1))
         host = torch.cat(parts, dim=1).cpu().numpy()
         return [host[i].tobytes() for i in range(len(blocks))]
 
-    def digests(self, blocks: list[int]) -> list[str]:
+    def digests(self, blocks: list[int], heads: tuple[int, int] | None = None) -> list[str]:
         out = []
         for i in range(0, len(blocks), 256):
-            out += [hashlib.blake2b(b, digest_size=16).hexdigest() for b in self.block_bytes(blocks[i:i + 256])]
+            out += [hashlib.blake2b(b, digest_size=16).hexdigest()
+                    for b in self.block_bytes(blocks[i:i + 256], heads)]
         return out
 
     def take_snapshot(self) -> None:
@@ -118,11 +124,16 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--tp-size", type=int, default=1)
     args = ap.parse_args()
     torch.cuda.set_device(0)
     kv = KV(args.layout, args.layers, args.blocks, args.block_size, args.heads, args.dim, args.seed)
-    worker = PushWorker(socket_path=args.socket, rank=0, tp_size=1, role=args.role, reconnect_interval_s=0.05)
-    share = share_kv(kv.tensors, args.blocks)
+    worker = PushWorker(socket_path=args.socket, rank=args.rank, tp_size=args.tp_size, role=args.role,
+                        reconnect_interval_s=0.05)
+    # The layer's KV heads on this rank, as vLLM's KV-cache spec says them (MLA: one row).
+    heads = dict.fromkeys(kv.tensors, 1 if args.layout == "mla" else args.heads)
+    share = share_kv(kv.tensors, args.blocks, heads=heads)
     started = time.perf_counter()
     worker.register(share)
     _say(ok=True, regions=len(share.regions), buffers=len(share.cuda.buffers) if share.cuda else 0,
@@ -154,7 +165,8 @@ def _run(cmd: dict, worker: PushWorker, kv: KV, finished: dict[str, dict]) -> di
     if op == "recv":
         regs = {r["rid"]: wp.RegisterRecv(request_id=r["rid"], local_block_ids=[r["blocks"]],
                                           remote_engine_id=cmd["p_engine"], remote_host="127.0.0.1",
-                                          remote_port=cmd["p_port"], match_key=r.get("key", ""))
+                                          remote_port=cmd["p_port"], match_key=r.get("key", ""),
+                                          remote_tp_size=cmd.get("p_tp", 1))
                 for r in cmd["requests"]}
         worker.start_step(StepPlan(recvs=regs))
         return {"t": time.perf_counter()}
@@ -192,7 +204,8 @@ def _run(cmd: dict, worker: PushWorker, kv: KV, finished: dict[str, dict]) -> di
         return {"connected": connected, "t": time.perf_counter(),
                 "daemon_id": worker.welcome.daemon_id if worker.welcome else ""}
     if op == "digests":
-        return {"digests": kv.digests(cmd["blocks"])}
+        heads = cmd.get("heads")
+        return {"digests": kv.digests(cmd["blocks"], tuple(heads) if heads else None)}
     if op == "snapshot":
         kv.take_snapshot()
         return {}

@@ -153,6 +153,50 @@ def _gpu_state(daemon) -> dict:
     return {"gpu": info["gpu"], "handles": info["nixl_handles"], "fds": info["open_fds"], "tables": info["tables"]}
 
 
+@pytest.mark.parametrize("staging", [False, True], ids=["from_kv", "from_staging"])
+def test_two_p_ranks_fill_one_d_rank_by_head(spawn: Spawner, staging: bool) -> None:
+    """P TP 2 -> D TP 1 on the GPU (HND blocks: KV heads outermost): each P rank WRITEs its
+    four heads into its half of D's eight-head blocks, straight into D's KV (no landing
+    buffer: it takes one P rank's parts only). D's request is done once both landed;
+    verify checks each P rank's digests against its own half."""
+    p_daemon = spawn.daemon("prefill", "--verify", *(("--staging-mib", "256") if staging else ()))
+    d_daemon = spawn.daemon("decode", "--verify", "--landing-mib", "0")
+    ps = [spawn.worker(p_daemon, "producer", layout="hnd", layers=8, blocks=P_BLOCKS, heads=4, rank=r, tp_size=2,
+                       seed=20 + r) for r in range(2)]
+    d = spawn.worker(d_daemon, "consumer", layout="hnd", layers=8, blocks=D_BLOCKS, heads=8, seed=22)
+    d.call("snapshot")
+    plan = [("tp-0", [5, 9, 2], [7, 1, 30]), ("tp-1", list(range(40, 80)), list(range(60, 100))),
+            ("tp-2", [11, 12, 13], [3])]  # a prefix hit on D: only P's last block
+    d.call("recv", p_engine=p_daemon.engine_id, p_port=p_daemon.side_port, p_tp=2,
+           requests=[{"rid": rid, "blocks": dd} for rid, _, dd in plan])
+    for p in ps:
+        _send(p, [(rid, pp) for rid, pp, _ in plan])
+    rids = [rid for rid, _, _ in plan]
+    recvd = _wait(d, rids)
+    assert all(v["side"] == "recv" and not v["errors"] for v in recvd.values()), recvd
+    for p in ps:
+        _wait(p, rids)
+    mapped_p = [b for _, pp, dd in plan for b in pp[len(pp) - len(dd):]]
+    mapped_d = [b for _, _, dd in plan for b in dd]
+    for r, p in enumerate(ps):
+        assert d.call("digests", blocks=mapped_d, heads=[4 * r, 4 * r + 4])["digests"] == \
+            p.call("digests", blocks=mapped_p)["digests"], f"P rank {r}'s heads"
+    assert sorted(d.call("changed")["blocks"]) == sorted(mapped_d)
+    assert d_daemon.metric("pushsvc_verify_total", result="identical") == len(plan)
+    assert p_daemon.metric("pushsvc_transfers_total", result="done") == 2 * len(plan)
+
+
+def test_heterogeneous_tp_into_a_landing_buffer_is_refused_naming_it(spawn: Spawner) -> None:
+    p_daemon = spawn.daemon("prefill")
+    d_daemon = spawn.daemon("decode", "--landing-mib", "256")
+    d = spawn.worker(d_daemon, "consumer", layout="hnd", layers=4, blocks=D_BLOCKS, heads=8, seed=23)
+    d.call("recv", p_engine=p_daemon.engine_id, p_port=p_daemon.side_port, p_tp=2,
+           requests=[{"rid": "tp-landing", "blocks": [1, 2]}])
+    out = _wait(d, ["tp-landing"])["tp-landing"]
+    assert out["errors"] == [1, 2], out  # the blocks come back as failed loads
+    assert "GPU landing buffer takes KV from one P rank only" in d_daemon.log()
+
+
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_kill_9_and_restart_with_the_workers_up(spawn: Spawner, side: str) -> None:
     daemons = {"prefill": spawn.daemon("prefill", "--write-part-mib", "4", "--lease-s", "20"),

@@ -1,7 +1,8 @@
 """A stand-in vLLM worker process for integration tests, driven over stdin/stdout.
 
 It owns a KV cache with a vLLM-like layout in memfd shared memory (``layers`` layers,
-each a K and a V region, spread over two buffers), registers it with its daemon through
+each a K and a V region, spread over two buffers; ``--heads`` says its blocks are
+head-major, as vLLM CPU's are), registers it with its daemon through
 the real client library, and executes JSON-line commands. Every block starts filled
 with a pattern unique to (seed, region, block), so the test can tell which bytes moved.
 """
@@ -40,7 +41,7 @@ class KVWorker:
                 layer = (len(self.regions)) // 2
                 self.regions.append(wp.Region(
                     buffer=b, offset=i * args.blocks * args.block_len, block_len=args.block_len,
-                    num_blocks=args.blocks, layer_names=[f"model.layers.{layer}.self_attn"]))
+                    num_blocks=args.blocks, layer_names=[f"model.layers.{layer}.self_attn"], heads=args.heads))
         for r_idx, region in enumerate(self.regions):
             for blk in range(args.blocks):
                 self.write_block(r_idx, blk, pattern(args.seed, r_idx, blk, args.block_len))
@@ -184,6 +185,7 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=32)
     p.add_argument("--block-len", type=int, default=2048)
     p.add_argument("--blocks-per-logical", type=int, default=1)
+    p.add_argument("--heads", type=int, default=0, help="KV heads outermost in each block (0: not head-major)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
     worker = KVWorker(args)

@@ -153,3 +153,13 @@ class WorkerProc(LineChild):
             except BrokenPipeError:
                 pass
         self.proc.stdout.close()
+
+
+def tables_empty(*daemons: DaemonProc, timeout: float = 5.0) -> bool:
+    """Whether every table of each daemon empties within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(not any(d.live_info()["tables"].values()) for d in daemons):
+            return True
+        time.sleep(0.05)
+    return False

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from kvworker import pattern
+from procs import tables_empty
 
 pytestmark = pytest.mark.nixl
 
@@ -44,14 +45,6 @@ def _expected_d(mapping: dict[int, int], seed_p=1, seed_d=2):
     return out
 
 
-def _tables_empty(*daemons):
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if all(not any(d.live_info()["tables"].values()) for d in daemons):
-            return True
-        time.sleep(0.05)
-    return False
-
 
 @pytest.mark.parametrize("order", ["registration_first", "blocks_first"])
 def test_push_lands_exact_bytes(spawn, order):
@@ -70,7 +63,7 @@ def test_push_lands_exact_bytes(spawn, order):
     assert dw.wait(rid_d) == {"type": "RecvDone", "request_id": rid_d}
     assert pw.wait(rid_p) == {"type": "SendDone", "request_id": rid_p}
     assert dw.digests() == _expected_d(dict(zip(d_blocks, p_blocks)))
-    assert _tables_empty(P, D)
+    assert tables_empty(P, D)
     assert P.metric("pushsvc_transfers_total", result="done") == 1
     assert P.metric("pushsvc_transfer_bytes_total") == len(p_blocks) * 2 * LAYERS * BLOCK_LEN
     _check_timelines(P, D, rid_p, rid_d)
@@ -126,7 +119,7 @@ def test_many_concurrent_pushes(spawn):
         assert dw.wait(f"r{i}")["type"] == "RecvDone"
         assert pw.wait(f"r{i}")["type"] == "SendDone"
     assert dw.digests() == _expected_d(mapping)
-    assert _tables_empty(P, D)
+    assert tables_empty(P, D)
 
 
 def test_p_lease_expiry_frees_state(spawn):
@@ -134,7 +127,7 @@ def test_p_lease_expiry_frees_state(spawn):
     pw.call("ready", request_id="orphan", block_ids=[[1, 2, 3]])
     event = pw.wait("orphan", timeout=10)
     assert event["type"] == "SendFailed" and "lease" in event["reason"]
-    assert _tables_empty(P)
+    assert tables_empty(P)
     assert P.metric("pushsvc_leases_expired_total") == 1
 
 
@@ -144,7 +137,7 @@ def test_d_watchdog_fails_request(spawn):
     event = dw.wait("never-prefilled", timeout=10)
     assert event["type"] == "RecvFailed"
     assert "watchdog" in event["reason"] and event["block_ids"] == [1, 2]
-    assert _tables_empty(D)
+    assert tables_empty(D)
     assert D.metric("pushsvc_watchdog_expired_total") == 1
 
 
@@ -161,7 +154,7 @@ def test_p_side_failure_reaches_d_before_watchdog(spawn):
     p_event = pw.wait("mismatch")
     assert p_event["type"] == "SendFailed"
     assert P.metric("pushsvc_failures_total", kind="layout_mismatch") == 1
-    assert _tables_empty(P, D)
+    assert tables_empty(P, D)
 
 
 def test_handshake_failure_fails_registration(spawn):
@@ -170,7 +163,7 @@ def test_handshake_failure_fails_registration(spawn):
             remote_host="127.0.0.1", remote_port=1)
     event = dw.wait("nowhere", timeout=20)
     assert event["type"] == "RecvFailed" and "handshake" in event["reason"]
-    assert _tables_empty(D)
+    assert tables_empty(D)
 
 
 def test_duplicate_and_evicted_registrations(spawn):
@@ -183,7 +176,7 @@ def test_duplicate_and_evicted_registrations(spawn):
     assert dw.wait("dup")["type"] == "RecvDone"
     assert dw.wait("dup", timeout=0.5) is None  # exactly one completion
     assert D.metric("pushsvc_duplicates_total", kind="registration") == 1
-    assert _tables_empty(D)
+    assert tables_empty(D)
 
 
 def test_foreign_agent_notifications_are_counted_and_ignored(spawn):
@@ -248,7 +241,7 @@ def test_tensor_parallel_ranks_each_get_their_own_agent(spawn):
                 want = hashlib.sha1(pattern(10 + r, region, p_block, BLOCK_LEN)).hexdigest()
                 assert digests[region][d_block] == want
     assert P.metric("pushsvc_transfers_total", result="done") == 2
-    assert _tables_empty(P, D)
+    assert tables_empty(P, D)
 
 
 def test_verify_mode_with_real_nixl(spawn):
@@ -265,4 +258,4 @@ def test_verify_mode_with_real_nixl(spawn):
     assert D.metric("pushsvc_verify_total", result="identical") == 4
     assert D.metric("pushsvc_verify_total", result="mismatch") == 0
     assert D.metric("pushsvc_verify_blocks_total", result="identical") == 4 * 2 * 2 * LAYERS
-    assert _tables_empty(P, D)
+    assert tables_empty(P, D)

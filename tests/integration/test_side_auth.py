@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvworker import pattern
+from procs import tables_empty
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol.framing import HEADER, PREAMBLE, check_preamble, encode_preamble, frame
 
@@ -67,14 +68,6 @@ def _eventually(predicate, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def _tables_empty(*daemons) -> bool:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if all(not any(d.live_info()["tables"].values()) for d in daemons):
-            return True
-        time.sleep(0.05)
-    return False
-
 
 def _raw_peer(port: int, until_closed: bool = True) -> list[pp.PeerMessage]:
     """Connect like a peer without the secret (preamble + hello) and return the frames
@@ -106,7 +99,7 @@ def test_same_secret_pushes_work(spawn, base_dir):
     assert P.metric("pushsvc_transfers_total", result="done") == 1
     assert D.metric("pushsvc_handshakes_total", result="dialed") == 1
     assert P.metric("pushsvc_handshakes_total", result="accepted") == 1
-    assert _tables_empty(P, D)
+    assert tables_empty(P, D)
     for d in (P, D):
         assert SECRET.decode() not in d.log()
 
@@ -149,7 +142,7 @@ def test_mismatched_secret_fails_cleanly_and_writes_nothing(spawn, base_dir, d_s
         assert info["peers"] == [] and info["nixl_handles"]["remote_agents"] == 0, info
     assert "peer_handshake_rejected" in P.log() and p_reason in P.log()
     assert SECRET.decode() not in P.log() and OTHER.decode() not in D.log()
-    assert _tables_empty(P, D)
+    assert tables_empty(P, D)
 
 
 def test_peer_without_secret_gets_only_a_challenge(spawn, base_dir):

@@ -79,14 +79,17 @@ def consumer(request: pytest.FixtureRequest) -> ConsumerTable:
 @pytest.fixture
 def sent_recv(consumer: ConsumerTable) -> SendRecv:
     """Factory: track a registration on ``consumer`` and mark its PUSH_REG delivered to a
-    P incarnation (``p-daemon-0``) and agent (``p-agent-0`` unless given)."""
+    P incarnation (``p-daemon-0``) and agent (``p-agent-0`` unless given; with ``tp_size``
+    k > 1, the agents ``p-agent-0`` .. ``p-agent-{k-1}`` of P ranks 0..k-1)."""
 
     def make(request_id: str, block_ids: list[list[int]] | None = None, *, now: float = 0.0, tp_size: int = 1,
              p_daemon: str = "p-daemon-0", p_agent: str = "p-agent-0", match_key: str = "") -> PendingRecv:
         entry = consumer.add(request_id, [[1]] if block_ids is None else block_ids, _remote(tp_size), now,
                              match_key=match_key)
         assert entry is not None, f"{request_id} is tracked already"
-        assert consumer.mark_sent(request_id, p_daemon, p_agent)
+        # A registration of P TP k (D TP 1) goes to P ranks 0..k-1: agents p-agent-0.. .
+        sources = {p_agent: 0} if tp_size == 1 else {f"p-agent-{i}": i for i in range(tp_size)}
+        assert consumer.mark_sent(request_id, p_daemon, sources)
         return entry
 
     return make

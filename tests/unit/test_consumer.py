@@ -37,8 +37,8 @@ def test_add_tracks_a_pending_registration(consumer, p_remote) -> None:
     assert entry.remote is r
     assert (entry.registered_at, entry.deadline) == (10.0, 10.0 + WATCHDOG)
     assert (entry.expected, entry.seen, entry.state) == (1, 0, RecvState.PENDING)
-    assert (entry.p_daemon, entry.p_agent, entry.reason) == ("", "", CANCELLED)
-    assert (entry.announced_at, entry.digests, entry.held) == (None, None, False)
+    assert (entry.p_daemon, entry.sources, entry.open, entry.reason) == ("", {}, set(), CANCELLED)
+    assert (entry.announced_at, entry.digests, entry.held) == (None, {}, False)
     assert consumer.pending == {"req-1": entry}
     assert consumer.sizes() == {"d_pending": 1}
     assert consumer.add("req-2", [[3]], r, now=10.0).match_key == ""
@@ -74,15 +74,15 @@ def test_flat_block_ids_concatenates_groups_in_order(consumer, p_remote) -> None
 def test_mark_sent_records_the_p_incarnation_and_its_agent(consumer, p_remote) -> None:
     entry = consumer.add("r", [[1]], p_remote(), now=0.0)
     assert not consumer.busy and not consumer.unsettled
-    assert consumer.mark_sent("r", P_DAEMON, P_AGENT) is True
-    assert (entry.state, entry.p_daemon, entry.p_agent) == (RecvState.SENT, P_DAEMON, P_AGENT)
+    assert consumer.mark_sent("r", P_DAEMON, {P_AGENT: 0}) is True
+    assert (entry.state, entry.p_daemon, entry.sources, entry.open) == (RecvState.SENT, P_DAEMON, {P_AGENT: 0}, {P_AGENT})
     assert consumer.busy and consumer.unsettled
-    assert consumer.mark_sent("r", "p-daemon-1", "p-agent-1") is False  # only a PENDING entry can be sent
-    assert (entry.state, entry.p_daemon, entry.p_agent) == (RecvState.SENT, P_DAEMON, P_AGENT)
+    assert consumer.mark_sent("r", "p-daemon-1", {"p-agent-1": 0}) is False  # only a PENDING entry can be sent
+    assert (entry.state, entry.p_daemon, entry.sources) == (RecvState.SENT, P_DAEMON, {P_AGENT: 0})
 
 
 def test_mark_sent_unknown_request(consumer) -> None:
-    assert consumer.mark_sent("nope", P_DAEMON, P_AGENT) is False
+    assert consumer.mark_sent("nope", P_DAEMON, {P_AGENT: 0}) is False
     assert consumer.pending == {}
 
 
@@ -109,10 +109,14 @@ def test_single_completion_finishes_a_tp1_request(consumer, sent_recv) -> None:
 def test_completion_counting_until_every_p_rank_reported(consumer, sent_recv) -> None:
     entry = sent_recv("r", tp_size=4)
     for seen in (1, 2, 3):
-        assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.PARTIAL, entry)
+        agent = f"p-agent-{seen - 1}"
+        assert consumer.on_completion("r", agent, now=1.0) == (CompletionOutcome.PARTIAL, entry)
         assert entry.seen == seen
+        # A second completion from a source that landed counts for nothing.
+        assert consumer.on_completion("r", agent, now=1.0) == (CompletionOutcome.UNKNOWN, None)
         assert "r" in consumer.pending
-    assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.DONE, entry)
+    assert entry.open == {"p-agent-3"}
+    assert consumer.on_completion("r", "p-agent-3", now=1.0) == (CompletionOutcome.DONE, entry)
     assert entry.seen == 4
     assert "r" not in consumer.pending
 
@@ -129,14 +133,14 @@ def test_completion_for_another_request_is_unknown(consumer, sent_recv) -> None:
     assert entry.seen == 0
 
 
-@pytest.mark.parametrize("sender", ["p-agent-1", "", "intruder"])
+@pytest.mark.parametrize("sender", ["p-agent-2", "", "intruder"])
 def test_completion_from_another_agent_than_the_push_regs_is_not_counted(consumer, sent_recv, sender: str) -> None:
     entry = sent_recv("r", tp_size=2)
     assert consumer.on_completion("r", sender, now=1.0) == (CompletionOutcome.UNKNOWN, None)
     assert entry.seen == 0
     assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.PARTIAL, entry)
     assert consumer.on_completion("r", sender, now=1.0) == (CompletionOutcome.UNKNOWN, None)
-    assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.DONE, entry)
+    assert consumer.on_completion("r", "p-agent-1", now=1.0) == (CompletionOutcome.DONE, entry)
 
 
 def test_completion_before_registration_was_sent_is_not_counted(consumer, p_remote) -> None:
@@ -153,7 +157,7 @@ def test_completions_of_different_requests_are_counted_apart(consumer, sent_recv
     assert consumer.on_completion("a", P_AGENT, now=1.0)[0] is CompletionOutcome.PARTIAL
     assert consumer.on_completion("b", P_AGENT, now=1.0)[0] is CompletionOutcome.PARTIAL
     assert (a.seen, b.seen) == (1, 1)
-    assert consumer.on_completion("a", P_AGENT, now=1.0) == (CompletionOutcome.DONE, a)
+    assert consumer.on_completion("a", "p-agent-1", now=1.0) == (CompletionOutcome.DONE, a)
     assert set(consumer.pending) == {"b"}
 
 
@@ -162,7 +166,7 @@ def test_request_can_be_registered_again_after_done(consumer, p_remote, sent_rec
     consumer.on_completion("r", P_AGENT, now=1.0)
     again = consumer.add("r", [[5]], p_remote(), now=100.0)
     assert again is not None
-    assert (again.state, again.seen, again.p_agent) == (RecvState.PENDING, 0, "")
+    assert (again.state, again.seen, again.sources) == (RecvState.PENDING, 0, {})
     assert again.deadline == 100.0 + WATCHDOG
 
 
@@ -170,7 +174,7 @@ def test_request_can_be_registered_again_after_done(consumer, p_remote, sent_rec
 def test_fail_removes_and_returns_entry(consumer, p_remote, sent: bool) -> None:
     entry = consumer.add("r", [[1, 2]], p_remote(), now=0.0)
     if sent:
-        consumer.mark_sent("r", P_DAEMON, P_AGENT)
+        consumer.mark_sent("r", P_DAEMON, {P_AGENT: 0})
     assert consumer.fail("r") is entry
     assert consumer.pending == {}
     assert consumer.fail("r") is None
@@ -196,16 +200,16 @@ def test_verify_mode_is_a_table_setting(consumer) -> None:
 @VERIFYING
 def test_verify_with_the_digests_announced_first(consumer, sent_recv) -> None:
     entry = sent_recv("r")
-    assert consumer.announce("r", P_DAEMON, b"digests", now=1.0) is None
-    assert (entry.digests, entry.announced_at, entry.state) == (b"digests", 1.0, RecvState.SENT)
+    assert consumer.announce("r", P_DAEMON, 0, b"digests", now=1.0) is None
+    assert (entry.digests, entry.announced_at, entry.state) == ({P_AGENT: b"digests"}, 1.0, RecvState.SENT)
     assert consumer.on_completion("r", P_AGENT, now=2.0) == (CompletionOutcome.VERIFY, entry)
     assert consumer.pending == {}
 
 
 def test_without_verify_the_digests_are_not_kept(consumer, sent_recv) -> None:
     entry = sent_recv("r")
-    assert consumer.announce("r", P_DAEMON, b"digests", now=1.0) is None
-    assert (entry.digests, entry.announced_at) == (None, 1.0)
+    assert consumer.announce("r", P_DAEMON, 0, b"digests", now=1.0) is None
+    assert (entry.digests, entry.announced_at) == ({}, 1.0)
     assert consumer.on_completion("r", P_AGENT, now=2.0) == (CompletionOutcome.DONE, entry)
 
 
@@ -218,12 +222,12 @@ def test_a_completion_before_the_digests_waits_for_them(consumer, sent_recv) -> 
     assert consumer.busy and not consumer.unsettled  # every WRITE landed: P writes nothing more
     assert consumer.on_completion("r", P_AGENT, now=3.5) == (CompletionOutcome.UNKNOWN, None)
     assert entry.seen == 1
-    assert consumer.announce("r", "p-daemon-1", b"forged", now=4.0) is None
-    assert entry.digests is None and consumer.pending == {"r": entry}
+    assert consumer.announce("r", "p-daemon-1", 0, b"forged", now=4.0) is None
+    assert entry.digests == {} and consumer.pending == {"r": entry}
 
-    assert consumer.announce("r", P_DAEMON, b"digests", now=4.0) is entry
+    assert consumer.announce("r", P_DAEMON, 0, b"digests", now=4.0) is entry
 
-    assert entry.digests == b"digests"
+    assert entry.digests == {P_AGENT: b"digests"}
     assert consumer.pending == {} and consumer.holder([[1, 2]]) is None
 
 
@@ -242,16 +246,20 @@ def test_verify_waits_for_every_p_rank(consumer, sent_recv) -> None:
     entry = sent_recv("r", tp_size=2)
     assert consumer.on_completion("r", P_AGENT, now=1.0) == (CompletionOutcome.PARTIAL, entry)
     assert entry.state is RecvState.SENT
-    assert consumer.on_completion("r", P_AGENT, now=2.0)[0] is CompletionOutcome.AWAIT_DIGESTS
+    assert consumer.on_completion("r", "p-agent-1", now=2.0)[0] is CompletionOutcome.AWAIT_DIGESTS
+    assert consumer.announce("r", P_DAEMON, 0, b"d0", now=2.5) is None, "P rank 1's digests are still missing"
+    assert consumer.announce("r", P_DAEMON, 7, b"d7", now=2.5) is None  # not a source: ignored
+    assert consumer.announce("r", P_DAEMON, 1, b"d1", now=3.0) is entry
+    assert entry.digests == {"p-agent-0": b"d0", "p-agent-1": b"d1"}
 
 
 @VERIFYING
 def test_announce_for_an_entry_not_sent_to_that_p_is_ignored(consumer, p_remote) -> None:
     entry = consumer.add("r", [[1]], p_remote(), now=0.0)
-    assert consumer.announce("r", P_DAEMON, b"d", now=1.0) is None
-    assert consumer.announce("r", "", b"d", now=1.0) is None
-    assert consumer.announce("unknown", P_DAEMON, b"d", now=1.0) is None
-    assert entry is not None and (entry.digests, entry.announced_at) == (None, None)
+    assert consumer.announce("r", P_DAEMON, 0, b"d", now=1.0) is None
+    assert consumer.announce("r", "", 0, b"d", now=1.0) is None
+    assert consumer.announce("unknown", P_DAEMON, 0, b"d", now=1.0) is None
+    assert entry is not None and (entry.digests, entry.announced_at) == ({}, None)
 
 
 @VERIFYING
@@ -285,12 +293,12 @@ def test_a_final_registration_releases_its_blocks(p_remote, ending: str) -> None
     elif ending == "expire_pending":
         table.expire(WATCHDOG + 1, LIVE)
     else:
-        table.mark_sent("a", P_DAEMON, P_AGENT)
+        table.mark_sent("a", P_DAEMON, {P_AGENT: 0})
         if ending == "verified":
-            table.announce("a", P_DAEMON, b"d", now=0.5)
+            table.announce("a", P_DAEMON, 0, b"d", now=0.5)
         table.on_completion("a", P_AGENT, now=1.0)
         if ending == "digests_late":
-            table.announce("a", P_DAEMON, b"d", now=1.5)
+            table.announce("a", P_DAEMON, 0, b"d", now=1.5)
     assert table.holder([[1, 2]]) is None and not table.tracks("a")
 
 
@@ -318,7 +326,7 @@ def test_waiting_on_filters_by_remote_engine(consumer, p_remote) -> None:
     a = consumer.add("a", [[1]], p_remote(engine_id="p0"), now=0.0)
     consumer.add("b", [[2]], p_remote(engine_id="p1"), now=0.0)
     c = consumer.add("c", [[3]], p_remote(engine_id="p0"), now=0.0)
-    consumer.mark_sent("c", P_DAEMON, P_AGENT)
+    consumer.mark_sent("c", P_DAEMON, {P_AGENT: 0})
     assert consumer.waiting_on("p0") == [a, c]
     assert [e.request_id for e in consumer.waiting_on("p1")] == ["b"]
     assert consumer.waiting_on("p2") == []
@@ -337,7 +345,7 @@ def test_busy_only_while_a_registration_is_out(consumer, p_remote) -> None:
     consumer.add("a", [[1]], p_remote(), now=0.0)
     consumer.add("b", [[2]], p_remote(), now=0.0)
     assert not consumer.busy  # nothing to poll for until P knows about it
-    consumer.mark_sent("b", P_DAEMON, P_AGENT)
+    consumer.mark_sent("b", P_DAEMON, {P_AGENT: 0})
     assert consumer.busy
     consumer.fail("b")
     assert not consumer.busy
@@ -355,7 +363,7 @@ def test_unsettled_while_p_may_still_write(consumer, sent_recv) -> None:
 def test_hot_for_a_while_after_p_announced_a_write(consumer, sent_recv) -> None:
     sent_recv("a")
     assert not consumer.hot(now=0.0, hot_max_s=2.0)
-    consumer.announce("a", P_DAEMON, b"", now=10.0)
+    consumer.announce("a", P_DAEMON, 0, b"", now=10.0)
     assert consumer.hot(now=11.999, hot_max_s=2.0)
     assert not consumer.hot(now=12.0, hot_max_s=2.0)
     consumer.on_completion("a", P_AGENT, now=11.0)
@@ -385,13 +393,15 @@ def test_done_exactly_once_after_expected_completions(remote_tp: int, local_tp: 
     table = ConsumerTable(watchdog_s=1.0, local_tp_size=local_tp)
     entry = table.add("r", [[0]], Remote("p", "10.0.0.1", 5600, remote_tp), now=0.0)
     assert entry is not None
-    table.mark_sent("r", P_DAEMON, P_AGENT)
+    agents = [f"p-agent-{i}" for i in range(entry.expected)]
+    table.mark_sent("r", P_DAEMON, {a: i for i, a in enumerate(agents)})
     outcomes = []
     for i in range(entry.expected + extra):
         # Completions from other agents, anywhere in between, change nothing.
         for _ in range(foreign.count(i)):
             assert table.on_completion("r", "p-agent-x", now=0.0) == (CompletionOutcome.UNKNOWN, None)
-        outcomes.append(table.on_completion("r", P_AGENT, now=0.0)[0])
+        # Each source once, in order; then again (late duplicates).
+        outcomes.append(table.on_completion("r", agents[i % len(agents)], now=0.0)[0])
     assert outcomes.count(CompletionOutcome.DONE) == 1
     assert outcomes.index(CompletionOutcome.DONE) == entry.expected - 1
     assert outcomes[: entry.expected - 1] == [CompletionOutcome.PARTIAL] * (entry.expected - 1)

@@ -4,7 +4,7 @@ evictions, P lost / back / gone and the watchdog, in verify mode and without."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -21,6 +21,7 @@ from pushsvc.state.consumer import (
     PendingRecv,
     RecvState,
     Remote,
+    SourceOutcome,
 )
 
 WATCHDOG_S = 10.0
@@ -29,12 +30,18 @@ DIGEST_WAIT = 2.0
 
 RIDS = st.sampled_from(["r0", "r1", "r2", "r3", "r4"])
 DAEMONS = ["pd-0", "pd-1"]
-AGENT_OF = {"pd-0": "pa-0", "pd-1": "pa-1"}  # the agent a PUSH_REG to that P daemon goes to
-SENDERS = st.sampled_from(["pa-0", "pa-1", "pa-x"])
+AGENT_OF = {"pd-0": "pa-0", "pd-1": "pa-1"}  # P rank i's agent at that P daemon: pa-0.i, pa-1.i
+SENDERS = st.sampled_from(["pa-0.0", "pa-0.1", "pa-1.0", "pa-1.1", "pa-x"])
+
+
+def sources_of(daemon: str, expected: int) -> dict[str, int]:
+    """The agents a registration expecting ``expected`` P ranks goes to at ``daemon``."""
+    return {f"{AGENT_OF[daemon]}.{i}": i for i in range(expected)}
 MOSTLY = st.sampled_from([True, True, True, False])  # hypothesis leans to small integers, not to these
 
 # What the worker may read when a withdrawn registration ends, by the reason it was withdrawn.
-REASON_PREFIX = {PEER_LOST: "peer_lost: ", WATCHDOG: "watchdog: ", CANCELLED: "cancelled"}
+FAILED = "push_failed_remote: P rank cannot write"  # why a source's PushFailed withdraws the entry
+REASON_PREFIX = {PEER_LOST: "peer_lost: ", WATCHDOG: "watchdog: ", CANCELLED: "cancelled", FAILED: FAILED}
 
 
 @dataclass
@@ -43,12 +50,22 @@ class Model:
     expected: int
     deadline: float | None
     state: RecvState = RecvState.PENDING
-    seen: int = 0
     reason: str = CANCELLED
     p_daemon: str = ""
-    p_agent: str = ""
-    digests: bytes | None = None
+    sources: dict[str, int] = field(default_factory=dict)
+    open: set[str] = field(default_factory=set)
+    landed: set[str] = field(default_factory=set)
+    digests: dict[str, bytes] = field(default_factory=dict)
     announced_at: float | None = None
+
+    @property
+    def seen(self) -> int:
+        return len(self.landed)
+
+    def send(self, daemon: str) -> None:
+        self.state, self.p_daemon = RecvState.SENT, daemon
+        self.sources = sources_of(daemon, self.expected)
+        self.open = set(self.sources)
 
     def cells(self) -> set[tuple[int, int]]:
         return {(g, b) for g, ids in enumerate(self.blocks) for b in ids}
@@ -79,9 +96,8 @@ class ConsumerMachine(RuleBasedStateMachine):
             self.model[rid] = Model([[self.serial]], 1, self.now + WATCHDOG_S)
             if i < sent:
                 daemon = DAEMONS[i % 2]
-                assert self.table.mark_sent(rid, daemon, AGENT_OF[daemon])
-                self.model[rid].state, self.model[rid].p_daemon, self.model[rid].p_agent = (
-                    RecvState.SENT, daemon, AGENT_OF[daemon])
+                assert self.table.mark_sent(rid, daemon, sources_of(daemon, 1))
+                self.model[rid].send(daemon)
 
     # ------------------------------------------------------------ helpers
 
@@ -154,34 +170,38 @@ class ConsumerMachine(RuleBasedStateMachine):
         rid = self._pick(data, RecvState.PENDING)
         m = self.model.get(rid)
         ok = m is not None and m.state is RecvState.PENDING
-        assert self.table.mark_sent(rid, daemon, AGENT_OF[daemon]) is ok
+        assert self.table.mark_sent(rid, daemon, sources_of(daemon, m.expected if m else 1)) is ok
         if ok:
-            m.state, m.p_daemon, m.p_agent = RecvState.SENT, daemon, AGENT_OF[daemon]
+            m.send(daemon)
 
     @rule(data=st.data(), own=MOSTLY)
     def completion(self, data: st.DataObject, own: bool) -> None:
         rid = self._pick(data, RecvState.SENT, RecvState.CANCELLING)
         m = self.model.get(rid)
-        sender = m.p_agent if m is not None and m.p_agent and own else data.draw(SENDERS, label="sender")
+        if m is not None and m.open and own:
+            sender = data.draw(st.sampled_from(sorted(m.open)), label="sender")
+        else:
+            sender = data.draw(SENDERS, label="sender")
         before = set(self.table.pending)
         outcome, entry = self.table.on_completion(rid, sender, self.now)
-        if m is None or m.state in (RecvState.PENDING, RecvState.LANDED) or m.p_agent != sender:
+        if m is None or m.state in (RecvState.PENDING, RecvState.LANDED) or sender not in m.open:
             assert (outcome, entry) == (CompletionOutcome.UNKNOWN, None)
             self._ended(before, set())
             return
         assert entry is not None and entry.request_id == rid
-        m.seen += 1
-        if m.seen < m.expected:
+        m.open.discard(sender)
+        m.landed.add(sender)
+        if m.open:
             assert outcome is CompletionOutcome.PARTIAL
             self._ended(before, set())
-        elif m.state is RecvState.CANCELLING and m.reason != PEER_LOST:
+        elif m.landed != set(m.sources) or (m.state is RecvState.CANCELLING and m.reason != PEER_LOST):
             assert outcome is CompletionOutcome.CANCELLED
             self._check_settled(entry, m)
             self._ended(before, {rid})
         elif not self.verify:
             assert outcome is CompletionOutcome.DONE
             self._ended(before, {rid})
-        elif m.digests is not None:
+        elif set(m.digests) >= set(m.sources):
             assert outcome is CompletionOutcome.VERIFY and entry.digests == m.digests
             self._ended(before, {rid})
         else:
@@ -194,22 +214,84 @@ class ConsumerMachine(RuleBasedStateMachine):
         rid = self._pick(data, RecvState.SENT, RecvState.LANDED)
         m = self.model.get(rid)
         daemon = m.p_daemon if m is not None and m.p_daemon and own else data.draw(st.sampled_from(DAEMONS))
+        p_rank = data.draw(st.integers(0, 2), label="P rank")
         before = set(self.table.pending)
         digests = f"{rid}@{self.now}".encode()
-        got = self.table.announce(rid, daemon, digests, self.now)
-        if m is None or m.p_daemon != daemon:
+        got = self.table.announce(rid, daemon, p_rank, digests, self.now)
+        agent = next((a for a, r in m.sources.items() if r == p_rank), None) if m is not None else None
+        if m is None or m.p_daemon != daemon or agent is None:
             assert got is None
             self._ended(before, set())
             return
         if self.verify:
-            m.digests = digests
+            m.digests[agent] = digests
         if m.state is RecvState.LANDED:
-            assert got is not None and got.request_id == rid and got.digests == digests
-            self._ended(before, {rid})
+            if set(m.digests) >= set(m.sources):
+                assert got is not None and got.request_id == rid and got.digests == m.digests
+                self._ended(before, {rid})
+            else:
+                assert got is None
+                self._ended(before, set())
             return
         assert got is None
         m.announced_at = self.now
         self._ended(before, set())
+
+    def _source(self, data: st.DataObject, own: bool, *states: RecvState) -> tuple[str, str, int, Model | None]:
+        rid = self._pick(data, *states)
+        m = self.model.get(rid)
+        daemon = m.p_daemon if m is not None and m.p_daemon and own else data.draw(st.sampled_from(DAEMONS))
+        if m is not None and m.open and own:
+            p_rank = m.sources[data.draw(st.sampled_from(sorted(m.open)), label="open source")]
+        else:
+            p_rank = data.draw(st.integers(0, 2), label="P rank")
+        return rid, daemon, p_rank, m
+
+    @rule(data=st.data(), own=MOSTLY)
+    def source_cancelled(self, data: st.DataObject, own: bool) -> None:
+        """P rank ``p_rank`` confirms a cancel (``PushCancelled``)."""
+        rid, daemon, p_rank, m = self._source(data, own, RecvState.CANCELLING)
+        before = set(self.table.pending)
+        got = self.table.source_cancelled(rid, daemon, p_rank)
+        agent = next((a for a, r in m.sources.items() if r == p_rank), None) if m is not None else None
+        if m is None or m.p_daemon != daemon or m.state is not RecvState.CANCELLING or agent not in m.open:
+            assert got is None
+            self._ended(before, set())
+            return
+        m.open.discard(agent)
+        if m.open:
+            assert got is None, "another source may still write: the blocks stay held"
+            self._ended(before, set())
+        else:
+            assert got is not None and got.request_id == rid
+            self._check_settled(got, m)
+            self._ended(before, {rid})
+
+    @rule(data=st.data(), own=MOSTLY)
+    def source_failed(self, data: st.DataObject, own: bool) -> None:
+        """P rank ``p_rank`` cannot write (``PushFailed``)."""
+        rid, daemon, p_rank, m = self._source(data, own, RecvState.SENT, RecvState.CANCELLING, RecvState.LANDED)
+        alive = daemon in self.live
+        before = set(self.table.pending)
+        outcome, entry = self.table.source_failed(rid, daemon, p_rank, FAILED, self.now, alive)
+        agent = next((a for a, r in m.sources.items() if r == p_rank), None) if m is not None else None
+        if m is None or m.p_daemon != daemon or agent is None:
+            assert (outcome, entry) == (SourceOutcome.NONE, None)
+            self._ended(before, set())
+            return
+        m.open.discard(agent)
+        assert entry is not None and entry.request_id == rid
+        if not m.open or m.state is RecvState.LANDED:
+            assert outcome is SourceOutcome.FINAL
+            self._ended(before, {rid})
+        elif m.state is RecvState.CANCELLING:
+            assert outcome is SourceOutcome.WAIT
+            self._ended(before, set())
+        else:
+            m.reason = FAILED
+            want = self._withdraw(m, alive)
+            assert outcome is (SourceOutcome.CANCEL if want is EvictOutcome.CANCEL else SourceOutcome.HELD)
+            self._ended(before, set())
 
     @rule(data=st.data())
     def fail(self, data: st.DataObject) -> None:
@@ -326,8 +408,8 @@ class ConsumerMachine(RuleBasedStateMachine):
             e: PendingRecv = self.table.pending[rid]
             assert e.request_id == rid and e.block_ids == m.blocks and e.expected == m.expected
             assert (e.state, e.deadline, e.seen, e.reason) == (m.state, m.deadline, m.seen, m.reason)
-            assert (e.p_daemon, e.p_agent, e.digests, e.announced_at) == (m.p_daemon, m.p_agent, m.digests,
-                                                                          m.announced_at)
+            assert (e.p_daemon, e.sources, e.open, e.landed) == (m.p_daemon, m.sources, m.open, m.landed)
+            assert (e.digests, e.announced_at) == (m.digests, m.announced_at)
             assert e.held == (m.state is RecvState.CANCELLING and m.deadline is not None)
 
     @invariant()
@@ -357,8 +439,9 @@ class ConsumerMachine(RuleBasedStateMachine):
             if m.state in (RecvState.PENDING, RecvState.SENT, RecvState.LANDED):
                 assert m.deadline is not None
             if m.state is RecvState.PENDING:
-                assert (m.p_daemon, m.p_agent, m.seen) == ("", "", 0)
-            assert m.seen < m.expected or m.state is RecvState.LANDED
+                assert (m.p_daemon, m.sources, m.seen) == ("", {}, 0)
+            assert m.open or m.state is RecvState.PENDING or m.state is RecvState.LANDED, \
+                "an entry no source may write into is still tracked"
 
 
 def test_consumer_table_state_machine() -> None:

@@ -52,7 +52,7 @@ def test_evict_of_a_sent_registration_asks_a_live_p_and_waits_without_deadline(c
     assert "r" in consumer.pending and consumer.holder([[1]]) == (1, "r")  # P may be writing into them
     assert consumer.busy and consumer.unsettled
     assert consumer.evict("r", now=2.0, peer_alive=True) == (EvictOutcome.NONE, None)  # already cancelling
-    assert consumer.mark_sent("r", P_DAEMON, P_AGENT) is False
+    assert consumer.mark_sent("r", P_DAEMON, {P_AGENT: 0}) is False
     assert consumer.fail("r") is r  # P confirmed
     assert consumer.final_reason(r) == "cancelled"
     assert consumer.pending == {}
@@ -87,8 +87,9 @@ def test_the_last_write_of_a_withdrawn_registration_ends_it_cancelled(consumer, 
     r = sent_recv("r", tp_size=2)
     consumer.evict("r", now=1.0, peer_alive=peer_alive)
     assert consumer.on_completion("r", P_AGENT, now=2.0) == (CompletionOutcome.PARTIAL, r)
-    assert consumer.on_completion("r", "p-agent-1", now=2.0) == (CompletionOutcome.UNKNOWN, None)
-    assert consumer.on_completion("r", P_AGENT, now=2.0) == (CompletionOutcome.CANCELLED, r)
+    assert consumer.on_completion("r", "p-agent-2", now=2.0) == (CompletionOutcome.UNKNOWN, None)
+    assert consumer.on_completion("r", P_AGENT, now=2.0) == (CompletionOutcome.UNKNOWN, None)
+    assert consumer.on_completion("r", "p-agent-1", now=2.0) == (CompletionOutcome.CANCELLED, r)
     assert consumer.pending == {}
     # The WRITE's completion settled it: the grace did not run out, P answered.
     assert consumer.final_reason(r, settled=True) == "cancelled"
@@ -139,13 +140,13 @@ def test_watchdog_expires_only_overdue_entries(p_remote) -> None:
     a = table.add("a", [[1]], p_remote(), now=0.0)  # 10
     b = table.add("b", [[2]], p_remote(tp_size=2), now=5.0)  # 15
     c = table.add("c", [[3]], p_remote(), now=20.0)  # 30
-    table.mark_sent("b", P_DAEMON, P_AGENT)
+    table.mark_sent("b", P_DAEMON, {P_AGENT: 0, "p-agent-1": 1})
     table.on_completion("b", P_AGENT, now=6.0)  # partial: still overdue later
     gone = table.expire(15.0, LIVE)
     assert [(e.entry, e.action) for e in gone] == [(a, ExpiryAction.FAIL), (b, ExpiryAction.CANCEL)]
     assert table.pending == {"b": b, "c": c}  # b is cancelling: P must confirm
     assert b is not None and b.state is RecvState.CANCELLING
-    assert table.on_completion("b", P_AGENT, now=16.0) == (CompletionOutcome.CANCELLED, b)  # its last WRITE landed
+    assert table.on_completion("b", "p-agent-1", now=16.0) == (CompletionOutcome.CANCELLED, b)  # its last WRITE landed
     assert table.pending == {"c": c}
     assert c is not None and c.deadline == 30.0
 
@@ -196,7 +197,7 @@ def test_a_held_registration_the_worker_withdraws_is_no_longer_made_done(consume
     assert consumer.holder([[1]]) == (1, "r")
     assert consumer.evict("r", now=2.5, peer_alive=False) == (EvictOutcome.NONE, None)  # withdrawn already
     assert consumer.on_completion("r", P_AGENT, now=3.0) == (CompletionOutcome.PARTIAL, r)
-    assert consumer.on_completion("r", P_AGENT, now=3.0) == (CompletionOutcome.CANCELLED, r)
+    assert consumer.on_completion("r", "p-agent-1", now=3.0) == (CompletionOutcome.CANCELLED, r)
     assert consumer.final_reason(r, settled=True) == "cancelled"
     assert consumer.pending == {} and consumer.holder([[1]]) is None
 

@@ -139,12 +139,15 @@ async def test_metrics_names_every_metric() -> None:
 @pytest.mark.asyncio
 async def test_info_reports_identity_ports_and_tables() -> None:
     async with running_daemon(FakeEngine(), "info") as daemon:
+        _, before = await http_get(daemon, "/v1/info")
         worker = Worker(daemon, "producer", rank=0)
         try:
             await worker.start(4)
             status, info = await http_get(daemon, "/v1/info")
         finally:
             worker.close()
+        assert "tp_size" not in before, "no worker yet: the engine's TP size is not known"
+        assert info["tp_size"] == 1  # a proxy passes it to D as remote_tp_size
         assert status == 200
         assert info["engine_id"] == "info"
         assert info["daemon_id"] == daemon.daemon_id

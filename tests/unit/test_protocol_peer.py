@@ -178,3 +178,33 @@ def test_agent_info_1_3_bounds(change: dict) -> None:
            **change}
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(pack(raw), type=peer.AgentInfo)
+
+
+@pytest.mark.parametrize("message", [
+    peer.PushFailed(request_id="r", rank=1, reason="x"),
+    peer.CancelPush(request_id="r", rank=1),
+    peer.PushCancelled(request_id="r", rank=1),
+    peer.WriteStarted(request_id="r", rank=1, nbytes=4),
+])
+def test_source_rank_is_left_out_at_equal_tp(message: msgspec.Struct) -> None:
+    """At equal TP a message is about the P rank of D's rank number: ``source_rank`` is not
+    encoded (a 1.4 peer, whose decoder refuses unknown fields, reads it); with P TP
+    = k x D TP it names the P rank meant."""
+    assert "source_rank" not in unpack(pack(message)) and peer.source_rank(message) == 1
+    other = msgspec.structs.replace(message, source_rank=3)
+    assert unpack(pack(other))["source_rank"] == 3 and peer.source_rank(other) == 3
+    assert peer.peer_decoder.decode(peer.encode(other)) == other
+
+
+@pytest.mark.parametrize("raw", [{"source_rank": -2}, {"source_rank": 1024}])
+def test_source_rank_bounds(raw: dict[str, Any]) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        peer.peer_decoder.decode(pack({"t": "cancel", "request_id": "r", "rank": 0, **raw}))
+
+
+def test_region_heads_are_left_out_unless_head_major() -> None:
+    plain = peer.RegionInfo(base=0, block_len=16, num_blocks=4)
+    assert "heads" not in unpack(pack(plain))
+    assert unpack(pack(msgspec.structs.replace(plain, heads=8)))["heads"] == 8
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(pack(_region_info(heads=-1)), type=peer.RegionInfo)

@@ -139,12 +139,13 @@ async def test_bad_block_ids_in_d_registration_fail_at_once(block_ids: list[int]
 
 @pytest.mark.asyncio
 async def test_a_registration_naming_another_p_tp_size_fails_at_once_saying_so() -> None:
-    """Heterogeneous TP is not supported: D refuses the registration before anything
+    """P TP 2 -> D TP 1 splits D's blocks by KV head: a D worker whose regions do not say
+    they are head-major cannot take it. D refuses the registration before anything
     reaches P, with a reason that names both sizes (the support matrix in connector.md)."""
     async with push_pair() as pair:
         pair.register_recv(D_ID, [3, 4], remote_tp_size=2)
         failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
-        assert "P TP 2 != D TP 1" in failed.reason and "not supported" in failed.reason
+        assert "P TP 2 -> D TP 1" in failed.reason and "not head-major" in failed.reason
         assert metric(pair.d, "pushsvc_handshakes_total", result="dialed") == 0, "nothing reached P"
         assert np.array_equal(pair.dw.snapshot(), pair.dw.initial)
         await assert_tables_empty(pair.p, pair.d)

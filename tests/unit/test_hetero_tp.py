@@ -1,0 +1,184 @@
+"""P TP = k x D TP, the pure parts: which ranks pair (state/tp.py), the head slice of a
+block (layout.head_slice), what the connector says of vLLM's KV tensors (head-major or
+not, KV heads per layer) and what P checks of a D agent and its PUSH_REG (remotes.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from pushsvc.errors import LayoutError
+from pushsvc.protocol import notif
+from pushsvc.protocol import peer as pp
+from pushsvc.server.remotes import registration_error, view_of
+from pushsvc.state import tp
+from pushsvc.state.layout import Layout, RegionSpec, descriptor_table, head_slice, plan_write
+from pushsvc_connector.connector import kv_heads
+from pushsvc_connector.kvlayout import head_major, regions_of
+
+# ---------------------------------------------------------------- which ranks pair
+
+
+@given(d_tp=st.integers(1, 8), k=st.integers(1, 8))
+def test_every_p_rank_writes_into_exactly_one_d_rank_and_each_d_rank_hears_from_k(d_tp: int, k: int) -> None:
+    p_tp = d_tp * k
+    assert tp.refusal(p_tp, d_tp) == "" and tp.ratio(p_tp, d_tp) == k
+    covered = [s for j in range(d_tp) for s in tp.sources(j, d_tp, p_tp)]
+    assert covered == list(range(p_tp)), "the sources of D's ranks partition P's ranks, in order"
+    for s in range(p_tp):
+        d_rank, index = tp.served(s, p_tp, d_tp)
+        assert s in tp.sources(d_rank, d_tp, p_tp) and index == list(tp.sources(d_rank, d_tp, p_tp)).index(s)
+        # Both sides agree on the pair, whichever asks.
+        assert tp.pairs(s, p_tp, d_rank, d_tp) and tp.pairs(d_rank, d_tp, s, p_tp)
+        assert sum(tp.pairs(s, p_tp, j, d_tp) for j in range(d_tp)) == 1
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "words"), [
+    (1, 2, "a D TP above P's is not supported"),
+    (2, 4, "a D TP above P's is not supported"),
+    (3, 2, "P TP must be a multiple of D TP"),
+    (6, 4, "P TP must be a multiple of D TP"),
+])
+def test_unsupported_tp_pairs_are_named(p_tp: int, d_tp: int, words: str) -> None:
+    why = tp.refusal(p_tp, d_tp)
+    assert why.startswith(f"P TP {p_tp} -> D TP {d_tp}: ") and words in why
+    assert not tp.pairs(0, p_tp, 0, d_tp) or p_tp < d_tp  # a refused pair with P above D pairs nothing
+
+
+# ---------------------------------------------------------------- head slices
+
+
+def _layout(heads: int = 4, block_len: int = 64, blocks: int = 5, stride: int = 0) -> Layout:
+    return Layout(tuple(RegionSpec(base, block_len, blocks, stride or block_len, g, heads)
+                        for base, g in ((0x10000, 0), (0x20000, 1))))
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_the_head_slices_of_a_block_tile_it_in_rank_order(parts: int) -> None:
+    full = _layout(stride=96)  # blocks further apart than their length: the slices keep the stride
+    table = descriptor_table(full)
+    slices = [descriptor_table(head_slice(full, parts, i)) for i in range(parts)]
+    for row in range(len(table)):
+        addr, length, _ = (int(x) for x in table[row])
+        pieces = [(int(s[row][0]), int(s[row][1])) for s in slices]
+        assert pieces == [(addr + i * length // parts, length // parts) for i in range(parts)]
+    assert all(r.heads == 4 // parts for r in head_slice(full, parts, 1).regions)
+    assert head_slice(full, 1, 0) is full
+
+
+def test_a_p_rank_pairs_its_whole_blocks_with_its_slice_of_ds() -> None:
+    d = _layout(block_len=64)
+    p = Layout(tuple(RegionSpec(0x90000 + i * 0x1000, 32, 8, 32, r.group, 2) for i, r in enumerate(d.regions)))
+    view = head_slice(d, 2, 1)
+    plan = plan_write(p, view, [[1, 2], [3]], [[4, 0], [2]])
+    src, dst = descriptor_table(p)[plan.src_indices], descriptor_table(view)[plan.dst_indices]
+    assert (src[:, 1] == dst[:, 1]).all() and plan.nbytes == 3 * 32
+    assert [int(a) for a in dst[:, 0]] == [0x10000 + 4 * 64 + 32, 0x10000 + 32, 0x20000 + 2 * 64 + 32]
+
+
+@pytest.mark.parametrize(("heads", "parts", "words"), [
+    (0, 2, "not head-major"),
+    (1, 2, "not head-major"),
+    (2, 4, "do not split between 4 P ranks"),
+    (3, 2, "do not split between 2 P ranks"),
+])
+def test_blocks_that_cannot_be_split_by_head_are_refused(heads: int, parts: int, words: str) -> None:
+    with pytest.raises(LayoutError, match=words):
+        head_slice(_layout(heads=heads, block_len=96), parts, 0)
+
+
+def test_a_slice_index_out_of_range_is_refused() -> None:
+    with pytest.raises(LayoutError):
+        head_slice(_layout(), 2, 2)
+
+
+# ---------------------------------------------------------------- what the connector registers
+
+
+@pytest.mark.parametrize(("shape", "permute", "heads", "want"), [
+    ((6, 4, 16, 32), None, 4, 4),  # vLLM CPU: [blocks, heads, block_size, 2*head]
+    ((6, 16, 4, 8), None, 4, 0),  # NHD [blocks, block_size, heads, head]: heads interleaved
+    ((6, 16, 4, 8), (0, 2, 1, 3), 4, 4),  # HND: the same view, heads stored outermost
+    ((6, 16, 576), None, 1, 0),  # MLA: one latent row per token, nothing to split
+    ((6, 4, 16, 32), None, 0, 0),  # heads unknown
+])
+def test_head_major_reads_the_blocks_storage_order(shape, permute, heads: int, want: int) -> None:
+    t = torch.zeros(shape, dtype=torch.bfloat16)
+    if permute is not None:  # storage in the permuted order, the view in vLLM's logical one
+        t = torch.zeros([shape[i] for i in permute], dtype=torch.bfloat16).permute(*np.argsort(permute))
+        assert tuple(t.shape) == shape
+    assert head_major(t[0], heads) == want
+    (region,) = regions_of("layer.0", t, 0, 0, shape[0], heads)
+    assert region.heads == want
+
+
+def test_flash_attention_k_and_v_halves_say_their_heads_too() -> None:
+    hnd = torch.zeros((2, 6, 4, 16, 8), dtype=torch.bfloat16)  # [2, blocks, heads, block_size, head]
+    nhd = torch.zeros((2, 6, 16, 4, 8), dtype=torch.bfloat16)  # FlashAttention's default
+    assert [r.heads for r in regions_of("l", hnd, 0, 0, 6, 4)] == [4, 4]
+    assert [r.heads for r in regions_of("l", nhd, 0, 0, 6, 4)] == [0, 0]
+
+
+def test_kv_heads_come_from_vllms_kv_cache_specs() -> None:
+    full = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=16, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.bfloat16, sliding_window=32)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["a", "b"], full), KVCacheGroupSpec(["c"], window), KVCacheGroupSpec(["d"], mla)])
+    assert kv_heads(config) == {"a": 4, "b": 4, "c": 2, "d": 1}
+    assert kv_heads(None) == {}
+
+
+# ---------------------------------------------------------------- what P checks
+
+
+def _agent(rank: int, tp_size: int, heads: int = 4) -> pp.AgentInfo:
+    return pp.AgentInfo(rank=rank, tp_size=tp_size, agent_name=f"d/r{rank}", metadata=b"m",
+                        regions=[pp.RegionInfo(base=0x10000, block_len=64, num_blocks=8, heads=heads)])
+
+
+def _reg(d_rank: int, d_tp: int, p_tp: int) -> notif.PushReg:
+    return notif.PushReg(request_id="r", decode_engine_id="decode", decode_host="h", decode_port=1,
+                         decode_tp_size=d_tp, local_block_ids=[[1]], remote_engine_id="prefill", remote_host="h",
+                         remote_port=2, remote_tp_size=p_tp, decode_rank=d_rank)
+
+
+def test_each_p_rank_sees_only_its_slice_of_its_d_rank() -> None:
+    d0 = _agent(0, 1)
+    assert view_of(d0, 0, 1).regions[0].base == 0x10000 and view_of(d0, 0, 1).regions[0].block_len == 64
+    assert [(r.base, r.block_len) for r in view_of(d0, 1, 2).regions] == [(0x10000 + 32, 32)]
+    assert [(r.base, r.block_len) for r in view_of(_agent(1, 2), 3, 4).regions] == [(0x10000 + 32, 32)]
+    with pytest.raises(LayoutError, match="not the D rank 0"):
+        view_of(_agent(1, 2), 1, 4)
+    with pytest.raises(LayoutError, match="not head-major"):
+        view_of(_agent(0, 1, heads=0), 1, 2)
+    with pytest.raises(LayoutError, match="D TP above"):
+        view_of(_agent(0, 2), 0, 1)
+
+
+@pytest.mark.parametrize(("p_rank", "p_tp", "reg", "reason"), [
+    (1, 2, _reg(0, 1, 2), None),
+    (0, 1, _reg(0, 1, 1), None),
+    (1, 2, _reg(0, 1, 1), "push_reg_tp"),  # D thinks P runs TP 1: it would count one completion
+    (0, 2, _reg(0, 1, 4), "push_reg_tp"),
+])
+def test_a_push_reg_must_name_ps_tp_and_come_to_a_rank_that_serves_it(p_rank, p_tp, reg, reason) -> None:
+    error = registration_error("decode", _agent(0, 1), reg, p_rank, p_tp)
+    assert (error and error[0]) == reason
+    if reason:
+        assert "TP" in error[1]
+
+
+def test_a_d_rank_registering_with_a_p_rank_that_does_not_serve_it_is_refused() -> None:
+    error = registration_error("decode", _agent(1, 2), _reg(1, 2, 4), 0, 4)  # P rank 0 serves D rank 0
+    assert error is not None and error[0] == "push_reg_tp" and "does not take KV from P rank 0" in error[1]
