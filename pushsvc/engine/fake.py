@@ -55,7 +55,21 @@ class FakeAgent:
     def remove_remote(self, name: str) -> None:
         self.remotes.discard(name)
 
+    def covers(self, descs: np.ndarray) -> bool:
+        """Whether every descriptor lies inside memory this agent registered (NIXL refuses
+        to prepare one that does not: NIXL_ERR_NOT_FOUND)."""
+        if not len(descs):
+            return True
+        starts = descs[:, 0].astype(np.int64)
+        ends = starts + descs[:, 1].astype(np.int64)
+        inside = np.zeros(len(descs), dtype=bool)
+        for base, size in self.buffers:
+            inside |= (starts >= base) & (ends <= base + size)
+        return bool(inside.all())
+
     def prep_local(self, descs: np.ndarray, mem_type: str) -> Any:
+        if not self.covers(descs):
+            raise TransferError("NIXL_ERR_NOT_FOUND: local descriptors outside registered memory")
         handle = (self.name, np.array(descs, copy=True))
         self.dlists.add(id(handle))
         return handle
@@ -63,6 +77,9 @@ class FakeAgent:
     def prep_remote(self, remote: str, descs: np.ndarray, mem_type: str) -> Any:
         if remote not in self.remotes:
             raise TransferError(f"unknown remote agent {remote}")
+        target = self.engine.agents.get(remote)
+        if target is not None and not target.covers(descs):
+            raise TransferError(f"NIXL_ERR_NOT_FOUND: descriptors of {remote} outside its registered memory")
         handle = (remote, np.array(descs, copy=True))
         self.dlists.add(id(handle))
         return handle

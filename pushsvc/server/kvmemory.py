@@ -96,12 +96,17 @@ def _map_cuda(msg: wp.RegisterKV, agent: Agent, role: wp.Role, devmem: DeviceMem
         descs = descriptor_table(layout, device.ordinal)
         dlist = None
         staging = None
+        # The worker's own KV is registered with NIXL where a WRITE reads it (P without
+        # staging) or lands in it (D without a landing buffer), and only there.
+        from_kv = role != "consumer" and not settings.staging_bytes
+        into_kv = role != "producer" and not settings.landing_bytes
+        if from_kv or into_kv:
+            agent.register([(b.address, b.size) for b in buffers], "VRAM", device.ordinal)
         if role != "consumer" and settings.staging_bytes:
             geometry = LandingGeometry.build(layout, settings.staging_bytes)
             owned.append(device.allocate(geometry.nbytes))
             staging = _staging(agent, device, layout, geometry, owned[-1])
-        elif role != "consumer":
-            agent.register([(b.address, b.size) for b in buffers], "VRAM", device.ordinal)
+        elif from_kv:
             dlist = agent.prep_local(descs, "VRAM")
         landing = None
         if role != "producer" and settings.landing_bytes:

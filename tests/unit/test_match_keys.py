@@ -161,6 +161,7 @@ async def test_a_push_reg_from_an_agent_p_does_not_know_yet_waits_for_it() -> No
         # A second agent of D's daemon for the same memory, as a restarted worker would get.
         newcomer = pair.fake.create_agent(f"decode/r0/{pair.d.daemon_id[:8]}.99")
         newcomer.add_remote(pair.p.service.ranks.current[0].agent.metadata())
+        newcomer.register(list(d_rank.agent.buffers), "DRAM")
         stage(pair, P1, [0, 1])
         await wait_until(lambda: tables(pair.p)["p_staged"] == 1, "P to stage")
         reg = notif.PushReg(

@@ -143,6 +143,7 @@ def test_a_remote_layout_is_built_once_while_the_agent_stays_loaded() -> None:
     local = engine.create_agent("local")
     remotes = RemoteAgents(local, max_descriptors=1 << 16, prepare=True)
     peer = engine.create_agent("x/r0")
+    peer.register([(0x7F0000000000, 16 * 4096)], "DRAM")  # what AGENT describes
     info = pp.AgentInfo(rank=0, tp_size=1, agent_name="x/r0", metadata=peer.metadata(), regions=AGENT.regions)
     remotes.load(info)
     mine = Layout((RegionSpec(0, 4096, 16, 4096),))
@@ -247,6 +248,7 @@ def test_a_notifying_side_loads_remote_metadata_but_prepares_no_descriptors() ->
     local = engine.create_agent("local")
     remotes = RemoteAgents(local, max_descriptors=1 << 16, prepare=False)
     peer = engine.create_agent("x/r0")
+    peer.register([(0x7F0000000000, 16 * 4096)], "DRAM")  # what AGENT describes
     info = pp.AgentInfo(rank=0, tp_size=1, agent_name="x/r0", metadata=peer.metadata(), regions=AGENT.regions)
     remotes.load(info)
     assert remotes.names() == ["x/r0"] and local.remotes == {"x/r0"}, "loaded: it can be notified"
@@ -262,6 +264,7 @@ def test_a_writing_side_releases_what_it_prepared_on_unload() -> None:
     local = engine.create_agent("local")
     remotes = RemoteAgents(local, max_descriptors=1 << 16, prepare=True)
     peer = engine.create_agent("x/r0")
+    peer.register([(0x7F0000000000, 16 * 4096)], "DRAM")  # what AGENT describes
     remotes.load(pp.AgentInfo(rank=0, tp_size=1, agent_name="x/r0", metadata=peer.metadata(), regions=AGENT.regions))
     assert len(local.dlists) == 1 and local.remotes == {"x/r0"}
     remotes.unload("x/r0")
