@@ -297,13 +297,16 @@ class Receiver:
         rid, kind = msg.request_id, "push_failed_remote"
         for rank in ranks:
             table = self._tables.get(rank)
-            if table is None or table.sent_by(rid, peer.daemon_id) is None:
+            held = table.sent_by(rid, peer.daemon_id) if table is not None else None
+            if table is None or held is None:
                 continue
+            withdrawn = held.state is RecvState.CANCELLING  # failed or withdrawn before: counted then
             outcome, entry = table.source_failed(rid, peer.daemon_id, pp.source_rank(msg), f"{kind}: {msg.reason}",
                                                  self._now(), peer.daemon_id in self._peers.live_daemons())
             if entry is None:
                 break
-            self._metrics.failures.labels(kind).inc()
+            if not withdrawn:
+                self._metrics.failures.labels(kind).inc()
             log.warning("recv_failed", request_id=rid, rank=rank.number, peer=entry.remote.engine_id, kind=kind,
                         error=msg.reason, source_rank=pp.source_rank(msg), waiting_for_p=bool(entry.open))
             if outcome is SourceOutcome.FINAL:

@@ -122,29 +122,45 @@ def test_d_blocks_stay_held_until_every_p_rank_settled(spawn):
     assert tables_empty(P, D)
 
 
-def test_one_p_rank_that_cannot_write_fails_the_request_cleanly(spawn):
-    """P rank 1's blocks are not the size of D's head slice: it refuses to write
-    (layout_mismatch) and tells D; P rank 0 writes. D fails the request once, after
-    both settled, and never reports it done."""
+@pytest.mark.parametrize("failing", [1, 2], ids=["after_the_other_landed", "before_the_other_wrote"])
+def test_a_p_rank_that_cannot_write_fails_the_request_cleanly(spawn, failing):
+    """A P rank whose blocks are not the size of D's head slice refuses to write
+    (layout_mismatch) and tells D. ``after_the_other_landed``: P rank 0 wrote first, P
+    rank 1 fails: nothing can write any more, D fails the request at once.
+    ``before_the_other_wrote``: P rank 0 fails first while P rank 1 still holds the
+    registration: D withdraws it from P rank 1 and fails the request once P rank 1
+    confirmed. Either way one final event, never done, one failure counted."""
     P = spawn.daemon("prefill")
     D = spawn.daemon("decode")
-    p0 = spawn.worker(P, "producer", layers=LAYERS, blocks=P_BLOCKS, rank=0, tp_size=2, block_len=D_BLOCK_LEN // 2,
-                      heads=HEADS // 2, seed=10)
-    p1 = spawn.worker(P, "producer", layers=LAYERS, blocks=P_BLOCKS, rank=1, tp_size=2, block_len=D_BLOCK_LEN // 4,
-                      heads=1, seed=11)
+    bad = {"block_len": D_BLOCK_LEN // 4, "heads": 1}
+    good = {"block_len": D_BLOCK_LEN // 2, "heads": HEADS // 2}
+    p0 = spawn.worker(P, "producer", layers=LAYERS, blocks=P_BLOCKS, rank=0, tp_size=2, seed=10,
+                      **(good if failing == 1 else bad))
+    p1 = spawn.worker(P, "producer", layers=LAYERS, blocks=P_BLOCKS, rank=1, tp_size=2, seed=11,
+                      **(bad if failing == 1 else good))
     dw = _d_rank(spawn, D)
     rid = "cmpl-hetero-2"
     _recv(dw, P, rid, [6, 7])
     time.sleep(0.3)
-    for w in (p0, p1):
-        w.call("ready", request_id=rid, block_ids=[[1, 2]])
+    p0.call("ready", request_id=rid, block_ids=[[1, 2]])
+    if failing == 1:
+        assert p0.wait(rid) == {"type": "SendDone", "request_id": rid}
+        assert dw.wait(rid, timeout=0.5) is None, "one P rank landed: not done yet"
+        p1.call("ready", request_id=rid, block_ids=[[1, 2]])
+        assert p1.wait(rid)["type"] == "SendFailed"
+    else:
+        assert p0.wait(rid)["type"] == "SendFailed"
     event = dw.wait(rid)
     assert event is not None and event["type"] == "RecvFailed", event
     assert "push_failed_remote" in event["reason"] and "block length differs" in event["reason"], event
+    assert sorted(event["block_ids"]) == [6, 7]
     assert dw.wait(rid, timeout=1.0) is None, "exactly one final event"
-    assert p1.wait(rid)["type"] == "SendFailed"
-    assert p0.wait(rid)["type"] in ("SendDone", "SendFailed")
     assert D.metric("pushsvc_failures_total", kind="push_failed_remote") == 1
+    if failing == 2:  # P rank 1 confirmed the cancel: its blocks, ready now, are never written
+        assert P.live_info()["tables"]["p_registrations"] == 0
+        p1.call("ready", request_id=rid, block_ids=[[1, 2]])
+        p1.call("evict", request_ids=[rid])
+        assert p1.wait(rid) == {"type": "SendFailed", "request_id": rid, "reason": "cancelled"}
     assert tables_empty(P, D)
 
 
