@@ -90,7 +90,7 @@ class DaemonClient:
             raise DaemonRefused(f"the daemon speaks worker protocol {wp.MAJOR}.{self.daemon_minor}; CUDA KV memory "
                                 f"needs {wp.MAJOR}.{wp.CUDA_IPC_MINOR} (upgrade the daemon)")
         if not self.supports(wp.HEADS_MINOR):  # an older daemon refuses the field (and takes no P of higher TP)
-            regions = [msgspec.structs.replace(r, heads=0) for r in regions]
+            regions = [msgspec.structs.replace(r, heads=0, replicated=False) for r in regions]
         msg = wp.RegisterKV(memory=memory or wp.MemfdBuffers(count=len(fds)), regions=regions,
                             blocks_per_logical=blocks_per_logical)
         data = frame(wp.encode(msg))

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 from pushsvc_connector.coordinates import DaemonCoordinates
 from pushsvc_connector.groups import TransferGroups
@@ -111,7 +111,7 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
         # start, with the daemon's reason); a daemon not there yet is retried later.
         assert self._worker is not None
         self._worker.register(share_kv(kv_caches, self._kv_cache_config.num_blocks, self._groups,
-                                       kv_heads(self._kv_cache_config)))
+                                       kv_heads(self._kv_cache_config), replicated_layers(self._kv_cache_config)))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
@@ -237,6 +237,12 @@ def kv_heads(kv_cache_config: Any) -> dict[str, int]:
             layer_spec = per_layer.get(name, spec) if isinstance(per_layer, dict) else spec
             out[name] = int(getattr(layer_spec, "num_kv_heads", 0) or 0)
     return out
+
+
+def replicated_layers(kv_cache_config: Any) -> frozenset[str]:
+    """The layers whose KV every TP rank holds whole: MLA's latent rows."""
+    return frozenset(name for group in getattr(kv_cache_config, "kv_cache_groups", None) or ()
+                     if isinstance(group.kv_cache_spec, MLAAttentionSpec) for name in group.layer_names)
 
 
 def check_parallelism(parallel_config: Any) -> None:

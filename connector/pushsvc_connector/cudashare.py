@@ -18,7 +18,8 @@ from pushsvc_connector.kvlayout import regions_of
 
 def share_cuda_kv(kv_caches: dict[str, torch.Tensor], num_blocks: int,
                   driver: Driver | None = None,
-                  heads: dict[str, int] | None = None) -> tuple[wp.CudaIpcBuffers, list[wp.Region]]:
+                  heads: dict[str, int] | None = None,
+                  replicated: frozenset[str] = frozenset()) -> tuple[wp.CudaIpcBuffers, list[wp.Region]]:
     driver = driver or Driver()
     buffers: list[wp.CudaIpcBuffer] = []
     index: dict[int, int] = {}  # allocation base -> buffer index
@@ -39,5 +40,6 @@ def share_cuda_kv(kv_caches: dict[str, torch.Tensor], num_blocks: int,
         if export.base not in index:
             index[export.base] = len(buffers)
             buffers.append(wp.CudaIpcBuffer(handle=export.handle, size=export.size))
-        regions += regions_of(name, t, index[export.base], ptr - export.base, num_blocks, (heads or {}).get(name, 0))
+        regions += regions_of(name, t, index[export.base], ptr - export.base, num_blocks, (heads or {}).get(name, 0),
+                              name in replicated)
     return wp.CudaIpcBuffers(device_uuid=uuid, buffers=buffers), regions

@@ -51,17 +51,20 @@ def head_major(block: torch.Tensor, heads: int) -> int:
     return heads if any(block.shape[d] == heads and block.stride(d) * heads == n for d in range(block.dim())) else 0
 
 
-def regions_of(name: str, t: torch.Tensor, buffer: int, offset: int, num_blocks: int, heads: int = 0) -> list[Region]:
+def regions_of(name: str, t: torch.Tensor, buffer: int, offset: int, num_blocks: int, heads: int = 0,
+               replicated: bool = False) -> list[Region]:
     """Regions of one layer tensor whose first element is ``offset`` bytes into buffer
-    ``buffer``; ``heads``: the layer's KV heads on this rank (0: unknown)."""
+    ``buffer``; ``heads``: the layer's KV heads on this rank (0: unknown); ``replicated``:
+    every TP rank holds the same bytes (MLA)."""
     elem = t.element_size()
     if t.shape[0] == num_blocks:
         block_len = math.prod(t.shape[1:]) * elem
         if t.stride(0) * elem < block_len or not _dense(t[0]):
             raise ValueError(f"{name}: blocks are not dense byte ranges (shape {tuple(t.shape)}, stride {t.stride()})")
         return [Region(buffer=buffer, offset=offset, block_len=block_len, num_blocks=num_blocks,
-                       block_stride=t.stride(0) * elem, layer_names=[name], heads=head_major(t[0], heads))]
+                       block_stride=t.stride(0) * elem, layer_names=[name], heads=head_major(t[0], heads),
+                       replicated=replicated)]
     if t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
         return [r for half in (0, 1) for r in regions_of(
-            name, t[half], buffer, offset + half * t.stride(0) * elem, num_blocks, heads)]
+            name, t[half], buffer, offset + half * t.stride(0) * elem, num_blocks, heads, replicated)]
     raise ValueError(f"{name}: no block dimension of size {num_blocks} in shape {tuple(t.shape)}")

@@ -47,17 +47,18 @@ class KVShare:
 
 
 def share_kv(kv_caches: dict[str, torch.Tensor], num_blocks: int, groups: TransferGroups | None = None,
-             heads: dict[str, int] | None = None) -> KVShare:
+             heads: dict[str, int] | None = None, replicated: frozenset[str] = frozenset()) -> KVShare:
     """Share ``kv_caches`` (``num_blocks`` scheduler blocks each) with the daemon; each
-    region names its layer's transferred KV-cache group (``groups``; default: one group)
-    and, where its blocks are head-major, its KV heads (``heads``: layer -> heads)."""
+    region names its layer's transferred KV-cache group (``groups``; default: one group),
+    where its blocks are head-major its KV heads (``heads``: layer -> heads), and whether
+    every TP rank holds the same bytes (``replicated``: MLA's layers)."""
     per_logical = blocks_per_logical(kv_caches, num_blocks)
     if next(iter(kv_caches.values())).device.type == "cuda":
         from pushsvc_connector.cudashare import share_cuda_kv
 
-        cuda, regions = share_cuda_kv(kv_caches, num_blocks * per_logical, heads=heads)
+        cuda, regions = share_cuda_kv(kv_caches, num_blocks * per_logical, heads=heads, replicated=replicated)
         return KVShare(grouped(regions, groups), per_logical, cuda=cuda)
-    buffers, regions = share_kv_caches(kv_caches, num_blocks * per_logical, heads)
+    buffers, regions = share_kv_caches(kv_caches, num_blocks * per_logical, heads, replicated)
     return KVShare(grouped(regions, groups), per_logical, buffers=buffers)
 
 
@@ -77,7 +78,8 @@ def grouped(regions: list[wp.Region], groups: TransferGroups | None) -> list[wp.
 
 
 def share_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int,
-                    heads: dict[str, int] | None = None) -> tuple[list[SharedBuffer], list[wp.Region]]:
+                    heads: dict[str, int] | None = None,
+                    replicated: frozenset[str] = frozenset()) -> tuple[list[SharedBuffer], list[wp.Region]]:
     """Re-back every storage behind CPU ``kv_caches`` by a memfd; describe the layers."""
     buffers: list[SharedBuffer] = []
     starts: dict[int, tuple[int, int]] = {}  # storage ptr -> (buffer index, mapped start)
@@ -98,7 +100,8 @@ def share_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int,
                 buffers.append(rebind_pages(start, end - start, name=f"pushsvc-kv-{len(buffers)}"))
                 starts[ptr] = (len(buffers) - 1, start)
             index, start = starts[ptr]
-            regions += regions_of(name, t, index, t.data_ptr() - start, num_blocks, (heads or {}).get(name, 0))
+            regions += regions_of(name, t, index, t.data_ptr() - start, num_blocks, (heads or {}).get(name, 0),
+                                  name in replicated)
     except BaseException:
         for b in buffers:
             b.close()

@@ -24,7 +24,7 @@ MAGIC = b"PSVP"
 MAJOR = 1
 # 1.1: AuthChallenge, AuthProof (sent only with a secret); 1.2: PushReg.match_key;
 # 1.3: AgentInfo.device and AgentInfo.parts (WRITEs in parts, ``PUSH_PART`` notifications);
-# 1.4: PeerHello.ucx_error_handling_mode; 1.5: RegionInfo.heads and ``source_rank`` on
+# 1.4: PeerHello.ucx_error_handling_mode; 1.5: RegionInfo.heads/replicated and ``source_rank`` on
 # PushFailed, CancelPush, PushCancelled, WriteStarted (P TP = k x D TP)
 MINOR = 5
 AUTH_MINOR = 1
@@ -45,6 +45,7 @@ class RegionInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True,
     group: Annotated[int, msgspec.Meta(ge=0, lt=64)] = 0
     layer_names: Annotated[list[Name], msgspec.Meta(max_length=4096)] = []
     heads: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0  # 1.5: KV heads outermost in a block
+    replicated: bool = False  # 1.5: every TP rank holds these same bytes (MLA)
 
     @property
     def stride(self) -> int:

@@ -28,12 +28,12 @@ MatchKey = Annotated[str, msgspec.Meta(max_length=MATCH_KEY_MAX, pattern=r"^[A-Z
 
 MAGIC = b"PSVW"
 MAJOR = 1
-MINOR = 3  # 1.1: RegisterRecv.match_key, SendReady.match_key; 1.2: CudaIpcBuffers; 1.3: Region.heads
+MINOR = 3  # 1.1: RegisterRecv.match_key, SendReady.match_key; 1.2: CudaIpcBuffers; 1.3: Region.heads/replicated
 # The first minor whose daemon accepts ``match_key``; a client sets it only for such a daemon.
 MATCH_KEY_MINOR = 1
 # The first minor whose daemon takes CUDA KV memory (``CudaIpcBuffers``).
 CUDA_IPC_MINOR = 2
-HEADS_MINOR = 3  # a client sends Region.heads only to a daemon at this minor or later
+HEADS_MINOR = 3  # a client sends Region.heads and .replicated only to a daemon at this minor or later
 CUDA_IPC_HANDLE_BYTES = 64
 
 Role = Literal["producer", "consumer", "both"]
@@ -62,6 +62,8 @@ class Region(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, fro
     # 1.3: each block holds this many KV heads outermost (head-major: head h is the
     # h-th of ``heads`` equal byte ranges of the block); 0 = not head-major, or unknown.
     heads: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
+    # 1.3: every TP rank holds these same bytes (MLA's latent rows): one P rank writes them.
+    replicated: bool = False
 
     @property
     def stride(self) -> int:

@@ -134,7 +134,7 @@ class Rank:
             regions=[
                 pp.RegionInfo(base=s.base, block_len=s.block_len, num_blocks=s.num_blocks,
                               block_stride=0 if s.stride == s.block_len else s.stride, group=s.group,
-                              layer_names=r.layer_names, heads=s.heads)
+                              layer_names=r.layer_names, heads=s.heads, replicated=s.replicated)
                 for s, r in zip(layout.regions, memory.regions)
             ],
             blocks_per_logical=layout.blocks_per_logical,
@@ -178,7 +178,8 @@ class RankRegistry:
 
 def layout_from_regions(regions: list[wp.Region], bases: list[int], blocks_per_logical: int) -> Layout:
     return Layout(
-        tuple(RegionSpec(bases[r.buffer] + r.offset, r.block_len, r.num_blocks, r.stride, r.group, r.heads)
+        tuple(RegionSpec(bases[r.buffer] + r.offset, r.block_len, r.num_blocks, r.stride, r.group, r.heads,
+                         r.replicated)
               for r in regions),
         blocks_per_logical,
     )

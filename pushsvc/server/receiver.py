@@ -51,7 +51,7 @@ from pushsvc.state.consumer import (
 )
 from pushsvc.state import tp
 from pushsvc.state.landing import AllocOutcome
-from pushsvc.state.layout import check_block_ids, descriptor_table, dest_indices, head_slice
+from pushsvc.state.layout import check_block_ids, descriptor_table, dest_indices, head_slice, replicated
 from pushsvc.state.timeline import RECV
 
 log = structlog.get_logger("pushsvc.receiver")
@@ -168,7 +168,8 @@ class Receiver:
     def _tp_refusal(self, rank: Rank, p_tp: int) -> str:
         """Why this rank cannot take KV from a P of TP ``p_tp``, or ''. With P TP = k x D
         TP each P rank fills a head slice of D's blocks: every region must be head-major
-        with heads that split by k, and nothing lands in a GPU landing buffer."""
+        with heads that split by k (or all of it replicated, MLA: one P rank writes it
+        whole), and nothing lands in a GPU landing buffer."""
         why = tp.refusal(p_tp, rank.tp_size)
         k = tp.ratio(p_tp, rank.tp_size) if not why else 1
         if why or k == 1:
@@ -176,6 +177,8 @@ class Receiver:
         if self.landing.active(rank):
             return f"P TP {p_tp} -> D TP {rank.tp_size}: a GPU landing buffer takes KV from one P rank only"
         assert rank.memory is not None
+        if replicated(rank.memory.layout):
+            return ""  # MLA: one P rank writes it whole, the others free their blocks
         try:
             head_slice(rank.memory.layout, k, 0)
         except LayoutError as exc:

@@ -1,12 +1,15 @@
 """D's PUSH_REGs out: a registration (or a release) goes to P's agents that write into
 this rank (the same rank at equal TP; with P TP = k x D TP, the k ranks ``state/tp.py``
-names, one PUSH_REG each), at once where P's daemon is known, else after a handshake in a task of its own so no other
+names, one PUSH_REG each; replicated KV, MLA's, only to the first of them and a release
+to the others), at once where P's daemon is known, else after a handshake in a task of its own so no other
 request waits behind it. Part of D's side (``receiver.py``), which owns the tables."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import msgspec
 
 import structlog
 
@@ -20,6 +23,7 @@ from pushsvc.server.tasks import TaskSet
 from pushsvc.server.timelines import Timelines
 from pushsvc.state import tp
 from pushsvc.state.consumer import ConsumerTable, PendingRecv
+from pushsvc.state.layout import replicated
 from pushsvc.state.timeline import RECV
 
 log = structlog.get_logger("pushsvc.receiver")
@@ -138,8 +142,13 @@ class Registrar:
             match_key=entry.match_key if peer.minor >= pp.MATCH_KEY_MINOR else "",
         )
         payload = notif.encode_push_reg(reg)
+        # Replicated KV (MLA) is written whole by the first source; the others hear a
+        # release (no blocks), which frees the blocks they hold for the exchange.
+        writers = targets[:1] if len(targets) > 1 and rank.memory is not None and replicated(
+            rank.memory.layout) else targets
+        release = notif.encode_push_reg(msgspec.structs.replace(reg, local_block_ids=[]))
         for target in targets:
             assert target is not None
-            rank.agent.send_notif(target.agent_name, payload)
-            if sent is not None:
+            rank.agent.send_notif(target.agent_name, payload if target in writers else release)
+            if sent is not None and target in writers:
                 sent[target.agent_name] = target.rank

@@ -27,6 +27,7 @@ from pushsvc.state.layout import (
     check_compatible,
     descriptor_table,
     head_slice,
+    replicated,
 )
 
 log = structlog.get_logger("pushsvc.remotes")
@@ -35,7 +36,8 @@ log = structlog.get_logger("pushsvc.remotes")
 def layout_of_agent(info: AgentInfo) -> Layout:
     """A remote agent's layout, as its daemon described it in the hello."""
     return Layout(
-        tuple(RegionSpec(r.base, r.block_len, r.num_blocks, r.stride, r.group, r.heads) for r in info.regions),
+        tuple(RegionSpec(r.base, r.block_len, r.num_blocks, r.stride, r.group, r.heads, r.replicated)
+              for r in info.regions),
         info.blocks_per_logical,
     )
 
@@ -50,10 +52,17 @@ def view_of(info: AgentInfo, rank: int, tp_size: int) -> Layout:
     d_rank, index = tp.served(rank, tp_size, info.tp_size)
     if info.rank != d_rank:
         raise LayoutError(f"remote rank {info.rank} is not the D rank {d_rank} that rank {rank} writes into")
-    return head_slice(layout_of_agent(info), tp.ratio(tp_size, info.tp_size), index)
+    layout = layout_of_agent(info)
+    if replicated(layout):  # every P rank holds it whole: the first one writes it
+        first = tp.writer(d_rank, info.tp_size, tp_size)
+        if rank != first:
+            raise LayoutError(f"replicated KV (MLA) of D rank {d_rank} is written by P rank {first} only")
+        return layout
+    return head_slice(layout, tp.ratio(tp_size, info.tp_size), index)
 
 
-def registration_error(engine_id: str, info: AgentInfo, reg: PushReg, rank: int, tp_size: int) -> tuple[str, str] | None:
+def registration_error(engine_id: str, info: AgentInfo, reg: PushReg, rank: int,
+                       tp_size: int) -> tuple[str, str] | None:
     """Why the known agent ``info`` of engine ``engine_id`` may not send ``reg`` to local
     rank ``rank`` of ``tp_size``, as (reason, message), or None. An agent registers only
     for its own engine, rank and TP size (so it cannot squat on a request id the real D

@@ -82,7 +82,8 @@ class LandingGeometry:
         its block length and group, its blocks dense."""
         bpl = self.worker.blocks_per_logical
         return Layout(tuple(
-            RegionSpec(base + self.offsets[i], r.block_len, self.slots * bpl, r.block_len, r.group, r.heads)
+            RegionSpec(base + self.offsets[i], r.block_len, self.slots * bpl, r.block_len, r.group, r.heads,
+                       r.replicated)
             for i, r in enumerate(self.worker.regions)
         ), bpl)
 

@@ -30,6 +30,7 @@ class RegionSpec:
     stride: int
     group: int = 0
     heads: int = 0  # KV heads stored outermost in each block (head-major); 0: not split-able
+    replicated: bool = False  # every TP rank holds the same bytes here (MLA): written by one P rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,11 @@ def head_slice(layout: Layout, parts: int, index: int) -> Layout:
         length = r.block_len // parts
         out.append(RegionSpec(r.base + index * length, length, r.num_blocks, r.stride, r.group, r.heads // parts))
     return Layout(tuple(out), layout.blocks_per_logical)
+
+
+def replicated(layout: Layout) -> bool:
+    """Every region holds bytes every TP rank has too (MLA's latent rows)."""
+    return bool(layout.regions) and all(r.replicated for r in layout.regions)
 
 
 def descriptor_table(layout: Layout, device_id: int = 0) -> np.ndarray:

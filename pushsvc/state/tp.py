@@ -5,6 +5,9 @@ P TP = k x D TP (k >= 1): D rank ``j`` gets its KV from the ``k`` P ranks
 slice ``s mod k`` of D rank ``s // k``'s blocks (``layout.head_slice``). vLLM shards KV
 heads by rank in order, so that slice holds exactly P rank ``s``'s heads. D TP above P
 TP (one P rank's heads split over several D ranks) is not supported: it is refused.
+
+KV that every TP rank holds whole (MLA's latent rows, ``RegionSpec.replicated``) is not
+split: the first source (``writer``) writes all of it, the others only free their blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ def served(p_rank: int, p_tp: int, d_tp: int) -> tuple[int, int]:
     """(the D rank P rank ``p_rank`` writes into, the head slice of D's blocks it fills)."""
     k = ratio(p_tp, d_tp)
     return p_rank // k, p_rank % k
+
+
+def writer(d_rank: int, d_tp: int, p_tp: int) -> int:
+    """The P rank that writes replicated KV into D rank ``d_rank``."""
+    return sources(d_rank, d_tp, p_tp)[0]
 
 
 def pairs(rank: int, tp: int, remote_rank: int, remote_tp: int) -> bool:

@@ -41,7 +41,8 @@ class KVWorker:
                 layer = (len(self.regions)) // 2
                 self.regions.append(wp.Region(
                     buffer=b, offset=i * args.blocks * args.block_len, block_len=args.block_len,
-                    num_blocks=args.blocks, layer_names=[f"model.layers.{layer}.self_attn"], heads=args.heads))
+                    num_blocks=args.blocks, layer_names=[f"model.layers.{layer}.self_attn"], heads=args.heads,
+                    replicated=bool(args.replicated)))
         for r_idx, region in enumerate(self.regions):
             for blk in range(args.blocks):
                 self.write_block(r_idx, blk, pattern(args.seed, r_idx, blk, args.block_len))
@@ -69,10 +70,12 @@ class KVWorker:
             self.client.send(wp.RegisterRecv(
                 request_id=cmd["request_id"], local_block_ids=cmd["block_ids"],
                 remote_engine_id=cmd["remote_engine_id"], remote_host=cmd["remote_host"],
-                remote_port=cmd["remote_port"], remote_tp_size=cmd.get("remote_tp_size", 1)))
+                remote_port=cmd["remote_port"], remote_tp_size=cmd.get("remote_tp_size", 1),
+                match_key=cmd.get("match_key", "")))
             return {}
         if op == "ready":
-            self.client.send(wp.SendReady(request_id=cmd["request_id"], block_ids=cmd["block_ids"]))
+            self.client.send(wp.SendReady(request_id=cmd["request_id"], block_ids=cmd["block_ids"],
+                                          match_key=cmd.get("match_key", "")))
             return {}
         if op == "recv_many":
             # Many registrations in one command, so a stream is not paced by the test.
@@ -186,6 +189,7 @@ def main() -> int:
     p.add_argument("--block-len", type=int, default=2048)
     p.add_argument("--blocks-per-logical", type=int, default=1)
     p.add_argument("--heads", type=int, default=0, help="KV heads outermost in each block (0: not head-major)")
+    p.add_argument("--replicated", type=int, default=0, help="1: every TP rank holds the same KV (MLA)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
     worker = KVWorker(args)

@@ -43,9 +43,9 @@ def _d_rank(spawn, D, heads=HEADS, rank=0, tp=1):
     return w
 
 
-def _recv(dw, P, rid, blocks, p_tp=2):
+def _recv(dw, P, rid, blocks, p_tp=2, **extra):
     dw.call("recv", request_id=rid, block_ids=[blocks], remote_engine_id=P.engine_id, remote_host="127.0.0.1",
-            remote_port=P.side_port, remote_tp_size=p_tp)
+            remote_port=P.side_port, remote_tp_size=p_tp, **extra)
 
 
 def _expected(mapping: dict[int, int], p_tp=2) -> list[list[str]]:
@@ -161,6 +161,34 @@ def test_a_p_rank_that_cannot_write_fails_the_request_cleanly(spawn, failing):
         p1.call("ready", request_id=rid, block_ids=[[1, 2]])
         p1.call("evict", request_ids=[rid])
         assert p1.wait(rid) == {"type": "SendFailed", "request_id": rid, "reason": "cancelled"}
+    assert tables_empty(P, D)
+
+
+def test_replicated_kv_is_written_by_one_p_rank_and_released_by_the_other(spawn):
+    """MLA: every TP rank holds the whole latent row. P rank 0 writes all of it into D's
+    blocks; P rank 1 gets a release (no blocks), frees its blocks and writes nothing. The
+    exchange has a match key (the proxy's or P's connector's ``transfer_id``): a release
+    that comes before P rank 1's blocks frees them on arrival by it."""
+    P = spawn.daemon("prefill", "--verify")
+    D = spawn.daemon("decode", "--verify")
+    ps = [spawn.worker(P, "producer", layers=LAYERS, blocks=P_BLOCKS, rank=r, tp_size=2, block_len=D_BLOCK_LEN,
+                       replicated=1, seed=10 + r) for r in range(2)]
+    dw = spawn.worker(D, "consumer", layers=LAYERS, blocks=D_BLOCKS, block_len=D_BLOCK_LEN, replicated=1, seed=2)
+    rid, key = "cmpl-mla-tp2", "xfer-mla-1"
+    _recv(dw, P, rid, [9, 4], match_key=key)
+    time.sleep(0.3)
+    for p in ps:
+        p.call("ready", request_id=rid, block_ids=[[1, 2]], match_key=key)
+    assert dw.wait(rid) == {"type": "RecvDone", "request_id": rid}
+    for p in ps:
+        assert p.wait(rid) == {"type": "SendDone", "request_id": rid}
+    rows = dw.digests()
+    for region in range(2 * LAYERS):
+        assert [rows[region][9], rows[region][4]] == [
+            hashlib.sha1(pattern(10, region, b, D_BLOCK_LEN)).hexdigest() for b in (1, 2)], "P rank 0's bytes"
+    assert P.metric("pushsvc_transfers_total", result="done") == 1
+    assert P.metric("pushsvc_transfers_total", result="released") == 1
+    assert D.metric("pushsvc_verify_total", result="identical") == 1
     assert tables_empty(P, D)
 
 

@@ -22,8 +22,8 @@ from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.server.remotes import registration_error, view_of
 from pushsvc.state import tp
-from pushsvc.state.layout import Layout, RegionSpec, descriptor_table, head_slice, plan_write
-from pushsvc_connector.connector import kv_heads
+from pushsvc.state.layout import Layout, RegionSpec, descriptor_table, head_slice, plan_write, replicated
+from pushsvc_connector.connector import kv_heads, replicated_layers
 from pushsvc_connector.kvlayout import head_major, regions_of
 
 # ---------------------------------------------------------------- which ranks pair
@@ -182,3 +182,35 @@ def test_a_push_reg_must_name_ps_tp_and_come_to_a_rank_that_serves_it(p_rank, p_
 def test_a_d_rank_registering_with_a_p_rank_that_does_not_serve_it_is_refused() -> None:
     error = registration_error("decode", _agent(1, 2), _reg(1, 2, 4), 0, 4)  # P rank 0 serves D rank 0
     assert error is not None and error[0] == "push_reg_tp" and "does not take KV from P rank 0" in error[1]
+
+
+# ---------------------------------------------------------------- replicated KV (MLA)
+
+
+def test_mla_layers_are_replicated_and_say_so_in_their_regions() -> None:
+    full = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=16, dtype=torch.bfloat16)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["m0", "m1"], mla)])
+    assert replicated_layers(config) == {"m0", "m1"} and replicated_layers(None) == frozenset()
+    t = torch.zeros((6, 16, 576), dtype=torch.bfloat16)
+    (region,) = regions_of("m0", t, 0, 0, 6, 1, replicated=True)
+    assert (region.heads, region.replicated) == (0, True)
+
+
+def _mla_agent(rank: int, tp_size: int) -> pp.AgentInfo:
+    return pp.AgentInfo(rank=rank, tp_size=tp_size, agent_name=f"d/r{rank}", metadata=b"m",
+                        regions=[pp.RegionInfo(base=0x10000, block_len=576 * 32, num_blocks=8, replicated=True)])
+
+
+def test_replicated_kv_is_written_whole_by_the_first_p_rank_only() -> None:
+    whole = view_of(_mla_agent(0, 1), 0, 2)
+    assert [(r.base, r.block_len) for r in whole.regions] == [(0x10000, 576 * 32)] and replicated(whole)
+    assert tp.writer(1, 2, 4) == 2
+    assert [(r.base, r.block_len) for r in view_of(_mla_agent(1, 2), 2, 4).regions] == [(0x10000, 576 * 32)]
+    with pytest.raises(LayoutError, match="written by P rank 0 only"):
+        view_of(_mla_agent(0, 1), 1, 2)
+    with pytest.raises(LayoutError, match="written by P rank 2 only"):
+        view_of(_mla_agent(1, 2), 3, 4)
+    mixed = Layout((RegionSpec(0, 64, 4, 64, 0, 0, True), RegionSpec(256, 64, 4, 64, 0, 4, False)))
+    assert not replicated(mixed) and not replicated(Layout(()))

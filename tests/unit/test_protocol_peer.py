@@ -204,7 +204,8 @@ def test_source_rank_bounds(raw: dict[str, Any]) -> None:
 
 def test_region_heads_are_left_out_unless_head_major() -> None:
     plain = peer.RegionInfo(base=0, block_len=16, num_blocks=4)
-    assert "heads" not in unpack(pack(plain))
+    assert "heads" not in unpack(pack(plain)) and "replicated" not in unpack(pack(plain))
+    assert unpack(pack(msgspec.structs.replace(plain, replicated=True)))["replicated"] is True
     assert unpack(pack(msgspec.structs.replace(plain, heads=8)))["heads"] == 8
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(pack(_region_info(heads=-1)), type=peer.RegionInfo)
