@@ -313,7 +313,10 @@ class Receiver:
             log.warning("recv_failed", request_id=rid, rank=rank.number, peer=entry.remote.engine_id, kind=kind,
                         error=msg.reason, source_rank=pp.source_rank(msg), waiting_for_p=bool(entry.open))
             if outcome is SourceOutcome.FINAL:
-                reason = entry.reason if entry.state is RecvState.CANCELLING else f"{kind}: {msg.reason}"
+                # Withdrawn before (by the worker, the watchdog, another source's failure):
+                # it ends for that reason, now that no source can write.
+                reason = (table.final_reason(entry, settled=True) if entry.state is RecvState.CANCELLING
+                          else f"{kind}: {msg.reason}")
                 self._tell_final(rank, wp.RecvFailed(request_id=rid, block_ids=entry.flat_block_ids, reason=reason))
             elif outcome is SourceOutcome.CANCEL:
                 self._request_cancel(rank, entry)

@@ -17,6 +17,7 @@ from daemon_fixtures import (
     assert_tables_empty,
     expected_after_push,
     kv_regions,
+    metric,
     push_pair,
     wait_until,
 )
@@ -196,3 +197,29 @@ async def test_a_draining_daemon_refuses_new_work_with_a_final_event() -> None:
             await asyncio.wait_for(asyncio.shield(shutdown), 5.0)
         finally:
             await shutdown
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("withdrawal", "reason"), [("evict", "cancelled"),
+                                                   ("watchdog", "watchdog: no push within 0.3s")])
+async def test_a_push_failure_after_the_withdrawal_ends_it_for_the_withdrawals_reason(withdrawal: str,
+                                                                                     reason: str) -> None:
+    """D withdrew the registration (the worker evicted it, or its watchdog fired) while
+    P's WRITE was in flight; P then reports the push failed (``PushFailed``): no WRITE of P
+    can land any more, so D gives the blocks back now, with the withdrawal's reason as the
+    worker reads it elsewhere, once, counting no new failure."""
+    d_config = {**FAST_PEER, "watchdog_s": 0.3} if withdrawal == "watchdog" else FAST_PEER
+    async with push_pair(p_config=FAST_PEER, d_config=d_config) as pair:
+        await held_write(pair)
+        if withdrawal == "evict":
+            pair.dw.send(wp.Evict(request_ids=[D_ID]))
+        p_rank = pair.p.service.ranks.current[0]
+        await wait_until(lambda: pair.p.service.sender._of(p_rank).writes[P_ID].cancelled, "P to hear the cancel")
+        peer = pair.p.service.peers.find_engine(pair.d.config.engine_id)
+        assert peer is not None
+        pair.p.service.peers.send(peer, pp.PushFailed(request_id=D_ID, rank=0, reason="write_failed: injected"))
+        failed = await pair.dw.wait_for(wp.RecvFailed, D_ID)
+        assert failed.reason == reason and sorted(failed.block_ids) == [3, 4]
+        assert metric(pair.d, "pushsvc_failures_total", kind="push_failed_remote") == 0
+        await pair.dw.quiet_for(0.3)  # exactly one final event
+        pair.fake.complete_held()
