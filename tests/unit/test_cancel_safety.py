@@ -31,6 +31,9 @@ D_ID = "cmpl-a-0-11111111"
 # D's cancel grace and P's heartbeats: short, so a test that waits several graces is quick;
 # P's session stays alive throughout (heartbeats every 0.1 s).
 FAST_PEER = {"peer_timeout_s": 0.5, "heartbeat_interval_s": 0.1}
+# For tests where P must stay alive and no grace is waited for: a session that lives
+# through a loaded host's scheduling delays (0.5 s lost it once beside a CI run).
+LIVE_PEER = {"peer_timeout_s": 5.0, "heartbeat_interval_s": 0.5}
 
 
 def tables(daemon) -> dict[str, int]:
@@ -71,7 +74,7 @@ async def test_an_evicted_registration_waits_for_p_however_long_its_write_takes(
 
 @pytest.mark.asyncio
 async def test_a_watchdog_expiry_during_a_long_write_waits_for_p_too() -> None:
-    async with push_pair(p_config=FAST_PEER, d_config={**FAST_PEER, "watchdog_s": 0.3}) as pair:
+    async with push_pair(p_config=LIVE_PEER, d_config={**LIVE_PEER, "watchdog_s": 0.3}) as pair:
         await held_write(pair)
         await pair.dw.quiet_for(2.0)  # the watchdog fired long ago; P is writing
         assert tables(pair.d)["d_pending"] == 1
@@ -208,8 +211,8 @@ async def test_a_push_failure_after_the_withdrawal_ends_it_for_the_withdrawals_r
     P's WRITE was in flight; P then reports the push failed (``PushFailed``): no WRITE of P
     can land any more, so D gives the blocks back now, with the withdrawal's reason as the
     worker reads it elsewhere, once, counting no new failure."""
-    d_config = {**FAST_PEER, "watchdog_s": 0.3} if withdrawal == "watchdog" else FAST_PEER
-    async with push_pair(p_config=FAST_PEER, d_config=d_config) as pair:
+    d_config = {**LIVE_PEER, "watchdog_s": 0.3} if withdrawal == "watchdog" else LIVE_PEER
+    async with push_pair(p_config=LIVE_PEER, d_config=d_config) as pair:
         await held_write(pair)
         if withdrawal == "evict":
             pair.dw.send(wp.Evict(request_ids=[D_ID]))
