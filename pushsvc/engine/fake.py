@@ -130,6 +130,8 @@ class FakeAgent:
         target = self.engine.agents.get(remote)
         if remote not in self.remotes or target is None:
             raise TransferError(f"cannot notify unknown agent {remote}")
+        if remote in self.engine.unreachable:
+            raise TransferError(f"injected notification failure to {remote}")
         target.inbox[self.name].append(payload)
 
     def notifs(self) -> dict[str, list[bytes]]:
@@ -161,6 +163,7 @@ class FakeEngine:
         self.fail_next_write = 0
         self.corrupt_writes = 0  # flip one byte of the next N WRITEs' destinations
         self.hold_writes = False
+        self.unreachable: set[str] = set()  # agents a notification cannot reach (send_notif raises)
         self.held: list[_Xfer] = []
 
     def create_agent(self, name: str) -> FakeAgent:

@@ -128,10 +128,11 @@ def free_tcp_port() -> int:
 # ---------------------------------------------------------------- workers
 
 
-def kv_regions(num_blocks: int, block_len: int = BLOCK_LEN) -> list[wp.Region]:
-    """``REGIONS`` dense regions back to back in buffer 0."""
+def kv_regions(num_blocks: int, block_len: int = BLOCK_LEN, heads: int = 0) -> list[wp.Region]:
+    """``REGIONS`` dense regions back to back in buffer 0 (``heads``: head-major blocks)."""
     return [
-        wp.Region(buffer=0, offset=r * num_blocks * block_len, block_len=block_len, num_blocks=num_blocks)
+        wp.Region(buffer=0, offset=r * num_blocks * block_len, block_len=block_len, num_blocks=num_blocks,
+                  heads=heads)
         for r in range(REGIONS)
     ]
 
@@ -153,18 +154,20 @@ class Worker:
     async def connect(self) -> wp.Welcome:
         return await asyncio.to_thread(self.client.connect)
 
-    async def register(self, num_blocks: int, block_len: int = BLOCK_LEN, seed: int = 0) -> wp.KVRegistered:
+    async def register(self, num_blocks: int, block_len: int = BLOCK_LEN, seed: int = 0,
+                       heads: int = 0) -> wp.KVRegistered:
         """Create the KV buffer, fill it with seeded random bytes, register it."""
         self.num_blocks, self.block_len = num_blocks, block_len
         self.buffer = SharedBuffer.create(REGIONS * num_blocks * block_len)
         pattern = np.random.default_rng(seed).integers(0, 256, self.buffer.size, dtype=np.uint8).tobytes()
         ctypes.memmove(self.buffer.address, pattern, len(pattern))
         self.initial = self.snapshot()
-        return await asyncio.to_thread(self.client.register_kv, [self.buffer.fd], kv_regions(num_blocks, block_len))
+        return await asyncio.to_thread(self.client.register_kv, [self.buffer.fd],
+                                       kv_regions(num_blocks, block_len, heads))
 
-    async def start(self, num_blocks: int, block_len: int = BLOCK_LEN, seed: int = 0) -> None:
+    async def start(self, num_blocks: int, block_len: int = BLOCK_LEN, seed: int = 0, heads: int = 0) -> None:
         await self.connect()
-        await self.register(num_blocks, block_len, seed)
+        await self.register(num_blocks, block_len, seed, heads)
 
     def send(self, msg: Any) -> None:
         self.client.send(msg)

@@ -35,13 +35,14 @@ class GpuWorker(Worker):
         handle = self.devmem.export(self.buffer.address, self.buffer.size)
         return wp.CudaIpcBuffers(device_uuid=UUID, buffers=[wp.CudaIpcBuffer(handle=handle, size=self.buffer.size)])
 
-    async def register(self, num_blocks: int, block_len: int = BIG_BLOCK, seed: int = 0) -> wp.KVRegistered:
+    async def register(self, num_blocks: int, block_len: int = BIG_BLOCK, seed: int = 0,
+                       heads: int = 0) -> wp.KVRegistered:
         self.num_blocks, self.block_len = num_blocks, block_len
         self.buffer = SharedBuffer.create(REGIONS * num_blocks * block_len)
         pattern = np.random.default_rng(seed).integers(0, 256, self.buffer.size, dtype=np.uint8).tobytes()
         ctypes.memmove(self.buffer.address, pattern, len(pattern))
         self.initial = self.snapshot()
-        return await asyncio.to_thread(self.client.register_kv, [], kv_regions(num_blocks, block_len),
+        return await asyncio.to_thread(self.client.register_kv, [], kv_regions(num_blocks, block_len, heads),
                                        memory=self.memory())
 
 
