@@ -41,7 +41,8 @@ class Storm:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rng = random.Random(args.seed)
-        common = dict(rank=0, tp_size=1, layers=args.layers, block_len=args.block_len, blocks_per_logical=1)
+        common = dict(rank=0, tp_size=1, layers=args.layers, block_len=args.block_len, blocks_per_logical=1, heads=0,
+                      replicated=0)
         self.p = KVWorker(argparse.Namespace(socket=args.p_socket, engine_id=args.p_engine, role="producer",
                                              blocks=args.p_blocks, seed=1, **common))
         self.d = KVWorker(argparse.Namespace(socket=args.d_socket, engine_id=args.d_engine, role="consumer",
