@@ -65,6 +65,8 @@ class Peer:
     # Known dead: an authenticated new incarnation of its engine said hello. A peer that
     # only went silent or closed its sessions may still have WRITEs on the way.
     gone: bool = False
+    # Woken when it announces agents or loses its last session (``PeerManager.announced``).
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
     def agent_for_rank(self, rank: int) -> pp.AgentInfo | None:
         for info in self.agents.values():
@@ -106,6 +108,7 @@ class PeerLink(Protocol):
     def find_agent(self, agent_name: str) -> Peer | None: ...
     def find_engine(self, engine_id: str) -> Peer | None: ...
     async def ensure(self, host: str, port: int, engine_id: str) -> Peer: ...
+    async def announced(self, peer: Peer, ready: Callable[[Peer], bool]) -> bool: ...
     def send(self, peer: Peer, msg: msgspec.Struct) -> bool: ...
     def departed(self, agent_name: str) -> bool: ...
     def live_daemons(self) -> Container[str]: ...
@@ -253,6 +256,36 @@ class PeerManager:
             raise HandshakeError(f"{host}:{port} is engine {peer.engine_id}, expected {engine_id}")
         return peer
 
+    async def announced(self, peer: Peer, ready: Callable[[Peer], bool]) -> bool:
+        """Whether ``ready(peer)`` holds, waiting for it as long as a handshake may take.
+
+        A daemon that just started says hello before its workers registered: the agents
+        come in an ``AgentsUpdate`` moments later. What needs one of them waits for it
+        here; it stops waiting when the peer loses its last session."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._settings.handshake_timeout_s
+        while not ready(peer):
+            left = deadline - loop.time()
+            if left <= 0 or not peer.alive:
+                return False
+            woken: asyncio.Future[None] = loop.create_future()
+            peer.waiters.append(woken)
+            try:
+                await asyncio.wait_for(woken, left)
+            except TimeoutError:
+                pass
+            finally:
+                if woken in peer.waiters:
+                    peer.waiters.remove(woken)
+        return True
+
+    @staticmethod
+    def _wake(peer: Peer) -> None:
+        waiters, peer.waiters = peer.waiters, []
+        for woken in waiters:
+            if not woken.done():
+                woken.set_result(None)
+
     async def _resolve(self, host: str, port: int) -> str:
         """The address to connect to, once the host passed ``allowed_host``: checked on
         every address the name resolves to, and the connection goes to one of those
@@ -393,6 +426,7 @@ class PeerManager:
             self._by_agent[a.agent_name] = peer
         if new:
             self._events.agents_announced(peer, new)
+            self._wake(peer)
 
     # ------------------------------------------------------------------ session
 
@@ -470,6 +504,7 @@ class PeerManager:
         for s in list(peer.sessions):
             s.close()
         peer.sessions.clear()
+        self._wake(peer)  # what waited for its agents stops waiting
         self._metrics.peers.set(sum(1 for p in self.peers.values() if p.alive))
         log.info("peer_down", peer=peer.engine_id, daemon=peer.daemon_id[:8])
         self._events.peer_down(peer)

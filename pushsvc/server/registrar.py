@@ -1,8 +1,9 @@
 """D's PUSH_REGs out: a registration (or a release) goes to P's agents that write into
 this rank (the same rank at equal TP; with P TP = k x D TP, the k ranks ``state/tp.py``
 names, one PUSH_REG each; replicated KV, MLA's, only to the first of them and a release
-to the others), at once where P's daemon is known, else after a handshake in a task of its own so no other
-request waits behind it. Part of D's side (``receiver.py``), which owns the tables."""
+to the others), at once where P's daemon is known and announced those agents, else
+after a handshake (and the announcement) in a task of its own so no other request waits
+behind it. Part of D's side (``receiver.py``), which owns the tables."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class Registrar:
     def dispatch(self, rank: Rank, entry: PendingRecv) -> None:
         """Send ``entry``'s PUSH_REG; its registration fails if it cannot go out."""
         peer = self._peers.find_engine(entry.remote.engine_id)
-        if peer is not None:
+        if peer is not None and not self._unannounced(rank, entry, peer):
             self._send(rank, entry, peer)
         else:
             self._tasks.spawn(self._after_handshake(rank, entry))
@@ -64,7 +65,7 @@ class Registrar:
     def release(self, rank: Rank, entry: PendingRecv) -> None:
         """Fire and forget: tell P to free the blocks it holds for ``entry`` (no blocks)."""
         peer = self._peers.find_engine(entry.remote.engine_id)
-        if peer is None:
+        if peer is None or self._unannounced(rank, entry, peer):
             self._tasks.spawn(self._release_after_handshake(rank, entry))
             return
         try:
@@ -73,21 +74,41 @@ class Registrar:
             log.info("release_unsent", request_id=entry.request_id, peer=entry.remote.engine_id, error=str(exc))
 
     async def _release_after_handshake(self, rank: Rank, entry: PendingRecv) -> None:
-        r = entry.remote
         try:
-            self._push_reg(rank, entry, await self._peers.ensure(r.host, r.port, r.engine_id))
+            self._push_reg(rank, entry, await self._peer(rank, entry))
         except (HandshakeError, TransferError) as exc:
-            log.info("release_unsent", request_id=entry.request_id, peer=r.engine_id, error=str(exc))
+            log.info("release_unsent", request_id=entry.request_id, peer=entry.remote.engine_id, error=str(exc))
 
     async def _after_handshake(self, rank: Rank, entry: PendingRecv) -> None:
-        r = entry.remote
         try:
-            peer = await self._peers.ensure(r.host, r.port, r.engine_id)
+            peer = await self._peer(rank, entry)
         except HandshakeError as exc:
             self._fail(rank, entry.request_id, "handshake_failed", str(exc))
             return
         if self._table(rank).pending.get(entry.request_id) is entry:  # not evicted meanwhile
             self._send(rank, entry, peer)
+
+    async def _peer(self, rank: Rank, entry: PendingRecv) -> Peer:
+        """P's daemon, once it announced the agents ``entry`` goes to: a daemon that just
+        started says hello before its workers registered, and announces them moments
+        later (waited for as long as a handshake may take)."""
+        r = entry.remote
+        peer = await self._peers.ensure(r.host, r.port, r.engine_id)
+        if not await self._peers.announced(peer, lambda p: not self._unannounced(rank, entry, p)):
+            if not peer.alive:
+                raise HandshakeError(f"peer {r.engine_id} was lost before it announced the agents of its workers")
+            # What is still missing is named by _push_reg.
+        return peer
+
+    @staticmethod
+    def _unannounced(rank: Rank, entry: PendingRecv, peer: Peer) -> list[int]:
+        """The ranks of P that write into ``rank`` for ``entry`` and ``peer`` has not
+        announced (at P's TP); none where the TPs do not pair (``_push_reg`` says why)."""
+        p_tp = entry.remote.tp_size
+        if tp.refusal(p_tp, rank.tp_size):
+            return []
+        ranks = tp.sources(rank.number, rank.tp_size, p_tp)
+        return [r for r in ranks if (a := peer.agent_for_rank(r)) is None or a.tp_size != p_tp]
 
     def _send(self, rank: Rank, entry: PendingRecv, peer: Peer) -> None:
         sent: dict[str, int] = {}
@@ -117,10 +138,10 @@ class Registrar:
         if len(ranks) > 1 and peer.minor < pp.HETERO_TP_MINOR:
             raise HandshakeError(f"P daemon {peer.engine_id} speaks side channel 1.{peer.minor}; P TP {p_tp} -> "
                                  f"D TP {rank.tp_size} needs 1.{pp.HETERO_TP_MINOR}")
-        targets = [peer.agent_for_rank(r) for r in ranks]
-        missing = [r for r, t in zip(ranks, targets) if t is None or t.tp_size != p_tp]
+        missing = self._unannounced(rank, entry, peer)
         if missing:
             raise HandshakeError(f"peer {peer.engine_id} has no rank {missing[0]} of TP {p_tp}")
+        targets = [peer.agent_for_rank(r) for r in ranks]
         me = self._identity
         # A landing rank's registration names its landing slots, which P WRITEs into.
         blocks = self._landing.slot_ids(rank, entry.request_id) if self._landing.tracks(

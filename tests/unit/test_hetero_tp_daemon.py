@@ -18,12 +18,12 @@ RID = "cmpl-tp-0-11111111"
 
 
 @contextlib.asynccontextmanager
-async def tp2_to_tp1(p_ranks: tuple[int, ...] = (0, 1)) -> AsyncIterator[tuple[FakeEngine, object, object,
-                                                                               list[Worker], Worker]]:
+async def tp2_to_tp1(p_ranks: tuple[int, ...] = (0, 1), **d_config: object) -> AsyncIterator[
+        tuple[FakeEngine, object, object, list[Worker], Worker]]:
     """P of TP 2 (its workers of ``p_ranks``, each with half of D's block) and D of TP 1
-    (head-major blocks of 4 heads)."""
+    (head-major blocks of 4 heads, its daemon configured with ``d_config``)."""
     fake = FakeEngine()
-    async with running_daemon(fake, P_ENGINE) as p, running_daemon(fake, D_ENGINE) as d:
+    async with running_daemon(fake, P_ENGINE) as p, running_daemon(fake, D_ENGINE, **d_config) as d:
         pws = [Worker(p, "producer", rank=r, tp_size=2) for r in p_ranks]
         dw = Worker(d, "consumer")
         try:
@@ -64,8 +64,50 @@ async def test_a_push_reg_that_reaches_one_p_rank_only_is_withdrawn_from_it() ->
 
 @pytest.mark.asyncio
 async def test_a_p_without_a_rank_d_needs_fails_the_registration_naming_it() -> None:
-    async with tp2_to_tp1(p_ranks=(0,)) as (_fake, p, d, _pws, dw):
+    """... once P did not announce it for as long as a handshake may take."""
+    async with tp2_to_tp1(p_ranks=(0,), handshake_timeout_s=0.5) as (_fake, p, d, _pws, dw):
         _register(dw, p, [5])
         failed = await dw.wait_for(wp.RecvFailed, RID)
         assert failed.reason == "handshake_failed: peer prefill has no rank 1 of TP 2", failed
         assert p.info()["tables"]["p_registrations"] == 0, "nothing was sent to P rank 0 either"
+
+
+@pytest.mark.asyncio
+async def test_a_registration_waits_for_a_p_rank_announced_after_the_handshake() -> None:
+    """Regression (seen in the e2e restart test): D met a P daemon that had just started,
+    whose hello named no agent for a rank D needs, and failed the requests at once ("has no
+    rank"); the worker's registration came moments later. D now waits for the
+    announcement, and the push goes through."""
+    async with tp2_to_tp1(p_ranks=(0,)) as (_fake, p, d, pws, dw):
+        _register(dw, p, [3, 4])
+        await dw.quiet_for(0.3)  # no failure while P rank 1 is missing
+        assert p.info()["tables"]["p_registrations"] == 0, "nothing sent before all of P's ranks are known"
+        late = Worker(p, "producer", rank=1, tp_size=2)
+        try:
+            await late.start(8, BLOCK_LEN // 2, seed=11, heads=2)
+            await wait_until(lambda: p.info()["tables"]["p_registrations"] == 2, "both P ranks to hold it")
+            pws[0].send(wp.SendReady(request_id=RID, block_ids=[[1, 2]]))
+            late.send(wp.SendReady(request_id=RID, block_ids=[[1, 2]]))
+            await dw.wait_for(wp.RecvDone, RID)
+            image = dw.snapshot()
+            for source, w in enumerate((pws[0], late)):
+                sent = w.snapshot()
+                for d_block, p_block in ((3, 1), (4, 2)):
+                    half = dw.block(image, 0, d_block).reshape(2, -1)[source]
+                    assert np.array_equal(half, w.block(sent, 0, p_block).reshape(-1)), (source, d_block)
+            assert metric(d, "pushsvc_failures_total", kind="handshake_failed") == 0
+        finally:
+            late.close()
+
+
+@pytest.mark.asyncio
+async def test_a_p_lost_while_d_waits_for_its_rank_fails_the_registration_at_once() -> None:
+    async with tp2_to_tp1(p_ranks=(0,), handshake_timeout_s=30) as (_fake, p, d, _pws, dw):
+        _register(dw, p, [5])
+        await wait_until(lambda: bool(d.service.peers.find_engine(p.config.engine_id)), "D to meet P")
+        await dw.quiet_for(0.2)
+        for peer in list(p.service.peers.peers.values()):
+            for session in list(peer.sessions):
+                session.close()  # P's side of the side channel goes away
+        failed = await dw.wait_for(wp.RecvFailed, RID, timeout=10)
+        assert failed.reason.startswith("handshake_failed: peer prefill was lost before it announced"), failed
