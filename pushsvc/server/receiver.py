@@ -22,6 +22,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import structlog
 
 from pushsvc.config import Config
@@ -51,7 +52,7 @@ from pushsvc.state.consumer import (
 )
 from pushsvc.state import tp
 from pushsvc.state.landing import AllocOutcome
-from pushsvc.state.layout import check_block_ids, descriptor_table, dest_indices, head_slice, replicated
+from pushsvc.state.layout import check_block_ids, descriptor_table, dest_indices, source_view
 from pushsvc.state.timeline import RECV
 
 log = structlog.get_logger("pushsvc.receiver")
@@ -82,6 +83,8 @@ class Receiver:
         self._metrics = metrics
         self._wake = wake
         self._tables: dict[Rank, ConsumerTable] = {}
+        # Verify mode: each source's descriptors of a rank's blocks, with the memory they describe.
+        self._views: dict[tuple[Rank, int, int], tuple[object, np.ndarray]] = {}
         self.landing = Landing(metrics=metrics, now=self._now, granted=self._granted)
         self._registrar = Registrar(
             identity=Identity(settings.engine_id, settings.daemon_id, settings.advertised_host), peers=peers,
@@ -92,8 +95,8 @@ class Receiver:
         table = self._tables.get(rank)
         if table is None:
             s = self._settings
-            table = self._tables[rank] = ConsumerTable(s.watchdog_s, rank.tp_size, s.peer_timeout_s, s.peer_timeout_s,
-                                                       s.verify)
+            table = self._tables[rank] = ConsumerTable(watchdog_s=s.watchdog_s, cancel_grace_s=s.peer_timeout_s,
+                                                       digest_wait_s=s.peer_timeout_s, verify=s.verify)
         return table
 
     def _now(self) -> float:
@@ -177,16 +180,14 @@ class Receiver:
         if self.landing.active(rank):
             return f"P TP {p_tp} -> D TP {rank.tp_size}: a GPU landing buffer takes KV from one P rank only"
         assert rank.memory is not None
-        if replicated(rank.memory.layout):
-            return ""  # MLA: one P rank writes it whole, the others free their blocks
-        try:
-            head_slice(rank.memory.layout, k, 0)
+        try:  # MLA: one P rank writes it whole, the others free their blocks
+            source_view(rank.memory.layout, k, 0)
         except LayoutError as exc:
             return f"P TP {p_tp} -> D TP {rank.tp_size}: {exc}"
         return ""
 
     def _release(self, rank: Rank, msg: wp.RegisterRecv, remote: Remote) -> None:
-        self._registrar.release(rank, PendingRecv(msg.request_id, [], remote, self._now(), None, 1, msg.match_key))
+        self._registrar.release(rank, PendingRecv(msg.request_id, [], remote, self._now(), None, msg.match_key))
 
     def evict(self, ranks: list[Rank], rid: str) -> None:
         """The worker withdrew ``rid`` (from any of its ranks: a reconnected worker
@@ -389,17 +390,28 @@ class Receiver:
         assert rank.memory is not None
         memory = rank.memory
         indices = dest_indices(memory.layout, entry.block_ids)
+        k = tp.ratio(entry.remote.tp_size, rank.tp_size)
         bad = total = 0
         for agent, p_rank in entry.sources.items():
-            k = len(entry.sources)
-            descs = memory.descs if k == 1 else descriptor_table(head_slice(memory.layout, k, p_rank % k))
-            actual = digest_memory(descs, indices, memory.vram)
+            actual = digest_memory(self._source_descs(rank, k, p_rank % k), indices, memory.vram)
             bad += count_mismatches(entry.digests[agent], actual)
             total += len(actual) // 8
         self._metrics.verified_blocks.labels("mismatch").inc(bad)
         self._metrics.verified_blocks.labels("identical").inc(max(0, total - bad))
         self._metrics.verified.labels("mismatch" if bad else "identical").inc()
         return f"{bad} of {total} blocks differ from P's" if bad else ""
+
+    def _source_descs(self, rank: Rank, parts: int, index: int) -> np.ndarray:
+        """The descriptors of what the ``index``-th of ``parts`` sources writes of ``rank``'s
+        blocks (``layout.source_view``), built once per rank's memory."""
+        memory = rank.memory
+        assert memory is not None
+        kept = self._views.get((rank, parts, index))
+        if kept is None or kept[0] is not memory:
+            view = source_view(memory.layout, parts, index)
+            kept = self._views[(rank, parts, index)] = (memory, memory.descs if view is memory.layout
+                                                          else descriptor_table(view))
+        return kept[1]
 
     def _fail(self, rank: Rank, rid: str, kind: str, reason: str) -> None:
         entry = self._of(rank).fail(rid)
@@ -522,6 +534,8 @@ class Receiver:
 
     def forget(self, rank: Rank) -> None:
         self._tables.pop(rank, None)
+        for key in [key for key in self._views if key[0] is rank]:
+            del self._views[key]
         self.landing.forget(rank)
 
     def _malformed(self, source: str, reason: str, sender: str, exc: Exception) -> None:

@@ -26,8 +26,7 @@ from pushsvc.state.layout import (
     check_block_ids,
     check_compatible,
     descriptor_table,
-    head_slice,
-    replicated,
+    source_view,
 )
 
 log = structlog.get_logger("pushsvc.remotes")
@@ -52,13 +51,7 @@ def view_of(info: AgentInfo, rank: int, tp_size: int) -> Layout:
     d_rank, index = tp.served(rank, tp_size, info.tp_size)
     if info.rank != d_rank:
         raise LayoutError(f"remote rank {info.rank} is not the D rank {d_rank} that rank {rank} writes into")
-    layout = layout_of_agent(info)
-    if replicated(layout):  # every P rank holds it whole: the first one writes it
-        first = tp.writer(d_rank, info.tp_size, tp_size)
-        if rank != first:
-            raise LayoutError(f"replicated KV (MLA) of D rank {d_rank} is written by P rank {first} only")
-        return layout
-    return head_slice(layout, tp.ratio(tp_size, info.tp_size), index)
+    return source_view(layout_of_agent(info), tp.ratio(tp_size, info.tp_size), index)
 
 
 def registration_error(engine_id: str, info: AgentInfo, reg: PushReg, rank: int,

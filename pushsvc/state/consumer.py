@@ -3,7 +3,7 @@
 Pure state, ``now`` passed in; methods return what the caller (``server/receiver.py``)
 must do. Life of a D request::
 
-    add --> PENDING --mark_sent--> SENT --completion x expected--> done (removed)
+    add --> PENDING --mark_sent--> SENT --completion of each source--> done (removed)
               |                     |  \\--(verify, digests late)--> LANDED --digests--> done
               \\--evict/watchdog-->  |
                   removed           \\--evict/watchdog--> CANCELLING --P confirms--> removed
@@ -16,9 +16,9 @@ Only once P is *lost* (no session) does a timer start: ``cancel_grace_s``, after
 the blocks are given back; and P known *dead* (a new incarnation said hello) ends the
 wait at once.
 
-**Sources.** The P ranks that write into this rank (``expected`` of them: one at equal
-TP, k with P TP = k x D TP, ``state/tp.py``) are the entry's *sources*, each by its
-agent. A source is *open* while it may still write: its completion (counted once, and
+**Sources.** The P ranks that write into this rank (one at equal TP, k with P TP = k x
+D TP, ``state/tp.py``; for replicated KV, MLA's, only the first of those) are the entry's
+*sources*, each by its agent, named by ``mark_sent`` as the PUSH_REGs go out. A source is *open* while it may still write: its completion (counted once, and
 only from that agent), its ``PushCancelled`` or its ``PushFailed`` closes it. The entry
 ends only once no source is open: done if every source landed, else failed. A
 ``PushFailed`` from one source withdraws the entry from the others (CANCELLING), never
@@ -65,7 +65,6 @@ class PendingRecv:
     # grace for a CANCELLING entry whose P is lost (None: wait for P's answer); the
     # digest wait while LANDED.
     deadline: float | None
-    expected: int  # sources: the P ranks that write into this rank
     match_key: str = ""
     p_daemon: str = ""  # the P incarnation the PUSH_REGs went to
     sources: dict[str, int] = field(default_factory=dict)  # their agents -> P rank: only these count
@@ -144,7 +143,6 @@ class RecvExpiry:
 @dataclass
 class ConsumerTable:
     watchdog_s: float
-    local_tp_size: int = 1
     cancel_grace_s: float = 5.0  # how long a lost P's WRITEs may still land
     digest_wait_s: float = 5.0  # verify mode: how long a landed request waits for P's digests
     verify: bool = False  # verify mode: a request is done only once P's digests checked
@@ -158,8 +156,7 @@ class ConsumerTable:
         """Track a registration; ``None`` if the id is already tracked (idempotent)."""
         if request_id in self.pending:
             return None
-        expected = max(1, remote.tp_size // max(1, self.local_tp_size))
-        entry = PendingRecv(request_id, block_ids, remote, now, now + self.watchdog_s, expected, match_key)
+        entry = PendingRecv(request_id, block_ids, remote, now, now + self.watchdog_s, match_key)
         self.pending[request_id] = entry
         for g, ids in enumerate(block_ids):
             for b in ids:

@@ -95,6 +95,18 @@ def head_slice(layout: Layout, parts: int, index: int) -> Layout:
     return Layout(tuple(out), layout.blocks_per_logical)
 
 
+def source_view(layout: Layout, parts: int, index: int) -> Layout:
+    """What the ``index``-th of the ``parts`` P ranks that fill a D rank's blocks (P TP =
+    parts x D TP, ``state/tp.py``) writes of ``layout``, D's: all of it at equal TP; the
+    head slice ``index`` otherwise; replicated KV (MLA) whole, by the first of them only."""
+    if parts > 1 and replicated(layout):
+        if index != 0:
+            raise LayoutError(f"replicated KV (MLA) is written by the first of {parts} P ranks only, "
+                              f"not by the one of slice {index}")
+        return layout
+    return head_slice(layout, parts, index)
+
+
 def replicated(layout: Layout) -> bool:
     """Every region holds bytes every TP rank has too (MLA's latent rows)."""
     return bool(layout.regions) and all(r.replicated for r in layout.regions)

@@ -22,7 +22,7 @@ from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.server.remotes import registration_error, view_of
 from pushsvc.state import tp
-from pushsvc.state.layout import Layout, RegionSpec, descriptor_table, head_slice, plan_write, replicated
+from pushsvc.state.layout import Layout, RegionSpec, descriptor_table, head_slice, plan_write, replicated, source_view
 from pushsvc_connector.connector import kv_heads, replicated_layers
 from pushsvc_connector.kvlayout import head_major, regions_of
 
@@ -208,9 +208,25 @@ def test_replicated_kv_is_written_whole_by_the_first_p_rank_only() -> None:
     assert [(r.base, r.block_len) for r in whole.regions] == [(0x10000, 576 * 32)] and replicated(whole)
     assert tp.writer(1, 2, 4) == 2
     assert [(r.base, r.block_len) for r in view_of(_mla_agent(1, 2), 2, 4).regions] == [(0x10000, 576 * 32)]
-    with pytest.raises(LayoutError, match="written by P rank 0 only"):
+    with pytest.raises(LayoutError, match="written by the first of 2 P ranks only, not by the one of slice 1"):
         view_of(_mla_agent(0, 1), 1, 2)
-    with pytest.raises(LayoutError, match="written by P rank 2 only"):
+    with pytest.raises(LayoutError, match="first of 2 P ranks only"):
         view_of(_mla_agent(1, 2), 3, 4)
     mixed = Layout((RegionSpec(0, 64, 4, 64, 0, 0, True), RegionSpec(256, 64, 4, 64, 0, 4, False)))
     assert not replicated(mixed) and not replicated(Layout(()))
+
+
+def test_source_view_is_the_one_rule_of_what_a_p_rank_writes_of_a_d_block() -> None:
+    """P (what it WRITEs into) and D (what it refuses, what it verifies) use this one rule."""
+    heads = Layout((RegionSpec(0x1000, 256, 4, 256, 0, 4), RegionSpec(0x9000, 128, 4, 128, 1, 2)))
+    assert source_view(heads, 1, 0) is heads
+    second = source_view(heads, 2, 1)
+    assert [(r.base, r.block_len, r.stride, r.heads) for r in second.regions] == [
+        (0x1000 + 128, 128, 256, 2), (0x9000 + 64, 64, 128, 1)]
+    assert source_view(heads, 2, 1) == head_slice(heads, 2, 1)
+    with pytest.raises(LayoutError, match="do not split between 4 P ranks"):
+        source_view(heads, 4, 0)
+    latent = Layout((RegionSpec(0, 64, 4, 64, 0, 0, True),))
+    assert source_view(latent, 1, 0) is latent and source_view(latent, 4, 0) is latent
+    with pytest.raises(LayoutError, match="first of 4 P ranks only"):
+        source_view(latent, 4, 3)

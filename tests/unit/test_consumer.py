@@ -36,7 +36,7 @@ def test_add_tracks_a_pending_registration(consumer, p_remote) -> None:
     assert (entry.request_id, entry.block_ids, entry.remote, entry.match_key) == ("req-1", [[1, 2], [7]], r, "k1")
     assert entry.remote is r
     assert (entry.registered_at, entry.deadline) == (10.0, 10.0 + WATCHDOG)
-    assert (entry.expected, entry.seen, entry.state) == (1, 0, RecvState.PENDING)
+    assert (entry.seen, entry.state) == (0, RecvState.PENDING)
     assert (entry.p_daemon, entry.sources, entry.open, entry.reason) == ("", {}, set(), CANCELLED)
     assert (entry.announced_at, entry.digests, entry.held) == (None, {}, False)
     assert consumer.pending == {"req-1": entry}
@@ -50,17 +50,7 @@ def test_add_is_idempotent(consumer, p_remote) -> None:
     assert consumer.pending == {"req-1": first}
     assert first is not None and first.block_ids == [[1]]
     assert first.deadline == WATCHDOG  # not re-armed
-    assert (first.expected, first.match_key) == (1, "")
-
-
-@pytest.mark.parametrize(
-    ("remote_tp", "local_tp", "expected"),
-    [(1, 1, 1), (2, 1, 2), (4, 1, 4), (4, 2, 2), (8, 2, 4), (8, 8, 1), (2, 4, 1), (1, 8, 1), (4, 0, 4)],
-)
-def test_expected_completions_are_p_ranks_per_d_rank(p_remote, remote_tp: int, local_tp: int, expected: int) -> None:
-    table = ConsumerTable(watchdog_s=1.0, local_tp_size=local_tp)
-    entry = table.add("r", [[0]], p_remote(tp_size=remote_tp), now=0.0)
-    assert entry is not None and entry.expected == expected
+    assert first.match_key == ""
 
 
 def test_flat_block_ids_concatenates_groups_in_order(consumer, p_remote) -> None:
@@ -383,27 +373,24 @@ def test_sizes_and_repr(consumer, p_remote) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    remote_tp=st.sampled_from([1, 2, 4, 8, 16]),
-    local_tp=st.sampled_from([1, 2, 4, 8]),
+    sources=st.sampled_from([1, 2, 4, 8]),
     extra=st.integers(0, 3),
     foreign=st.lists(st.integers(0, 20), max_size=4),
 )
-def test_done_exactly_once_after_expected_completions(remote_tp: int, local_tp: int, extra: int,
-                                                      foreign: list[int]) -> None:
-    table = ConsumerTable(watchdog_s=1.0, local_tp_size=local_tp)
-    entry = table.add("r", [[0]], Remote("p", "10.0.0.1", 5600, remote_tp), now=0.0)
+def test_done_exactly_once_after_each_source_completed(sources: int, extra: int, foreign: list[int]) -> None:
+    table = ConsumerTable(watchdog_s=1.0)
+    entry = table.add("r", [[0]], Remote("p", "10.0.0.1", 5600, sources), now=0.0)
     assert entry is not None
-    agents = [f"p-agent-{i}" for i in range(entry.expected)]
+    agents = [f"p-agent-{i}" for i in range(sources)]
     table.mark_sent("r", P_DAEMON, {a: i for i, a in enumerate(agents)})
     outcomes = []
-    for i in range(entry.expected + extra):
+    for i in range(sources + extra):
         # Completions from other agents, anywhere in between, change nothing.
         for _ in range(foreign.count(i)):
             assert table.on_completion("r", "p-agent-x", now=0.0) == (CompletionOutcome.UNKNOWN, None)
         # Each source once, in order; then again (late duplicates).
         outcomes.append(table.on_completion("r", agents[i % len(agents)], now=0.0)[0])
     assert outcomes.count(CompletionOutcome.DONE) == 1
-    assert outcomes.index(CompletionOutcome.DONE) == entry.expected - 1
-    assert outcomes[: entry.expected - 1] == [CompletionOutcome.PARTIAL] * (entry.expected - 1)
-    assert outcomes[entry.expected :] == [CompletionOutcome.UNKNOWN] * extra
-    assert entry.expected == max(1, remote_tp // local_tp)
+    assert outcomes.index(CompletionOutcome.DONE) == sources - 1
+    assert outcomes[: sources - 1] == [CompletionOutcome.PARTIAL] * (sources - 1)
+    assert outcomes[sources:] == [CompletionOutcome.UNKNOWN] * extra

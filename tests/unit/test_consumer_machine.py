@@ -74,7 +74,7 @@ class Model:
 class ConsumerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.table = ConsumerTable(watchdog_s=WATCHDOG_S, local_tp_size=1, cancel_grace_s=GRACE,
+        self.table = ConsumerTable(watchdog_s=WATCHDOG_S, cancel_grace_s=GRACE,
                                    digest_wait_s=DIGEST_WAIT)
         self.now = 0.0
         self.verify = False
@@ -87,7 +87,7 @@ class ConsumerMachine(RuleBasedStateMachine):
         """Verify mode or not (a table setting), and a few registrations to begin with (the
         rule that adds them may be left out of a run)."""
         self.verify = verify
-        self.table = ConsumerTable(watchdog_s=WATCHDOG_S, local_tp_size=1, cancel_grace_s=GRACE,
+        self.table = ConsumerTable(watchdog_s=WATCHDOG_S, cancel_grace_s=GRACE,
                                    digest_wait_s=DIGEST_WAIT, verify=verify)
         for i in range(n):
             rid = f"r{i}"
@@ -162,7 +162,7 @@ class ConsumerMachine(RuleBasedStateMachine):
             return
         assert self.table.holder(blocks) is None
         entry = self.table.add(rid, blocks, remote, self.now)
-        assert entry is not None and (entry.expected, entry.deadline) == (tp, self.now + WATCHDOG_S)
+        assert entry is not None and entry.deadline == self.now + WATCHDOG_S
         self.model[rid] = Model(blocks, tp, self.now + WATCHDOG_S)
 
     @rule(data=st.data(), daemon=st.sampled_from(DAEMONS))
@@ -406,7 +406,7 @@ class ConsumerMachine(RuleBasedStateMachine):
         assert list(self.table.pending) == list(self.model)
         for rid, m in self.model.items():
             e: PendingRecv = self.table.pending[rid]
-            assert e.request_id == rid and e.block_ids == m.blocks and e.expected == m.expected
+            assert e.request_id == rid and e.block_ids == m.blocks
             assert (e.state, e.deadline, e.seen, e.reason) == (m.state, m.deadline, m.seen, m.reason)
             assert (e.p_daemon, e.sources, e.open, e.landed) == (m.p_daemon, m.sources, m.open, m.landed)
             assert (e.digests, e.announced_at) == (m.digests, m.announced_at)
