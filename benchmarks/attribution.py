@@ -10,8 +10,12 @@ Phases, in path order (milliseconds):
 * ``transfer``: ``send_ready`` -> P's WRITE settled (a wait for D's registration included).
 * ``d_notified``: WRITE settled -> D's worker got ``RecvDone`` (completion notification, D's
   landing copy on a GPU, the daemon's final event).
-* ``d_first_step``: ``RecvDone`` -> D's first bytes at the proxy: the connector reporting
-  ``finished_recving``, D's scheduler taking the request, its first decode step.
+* ``d_reported``: ``RecvDone`` -> D's connector handed the request to vLLM as
+  ``finished_recving`` (its ``Reported``, worker protocol 1.4): the rest of the engine
+  step in which the event arrived.
+* ``d_first_step``: that moment -> D's first bytes at the proxy: D's scheduler taking the
+  request, its first step, the API server (from ``RecvDone`` where the connector did not
+  report).
 * ``proxy_out``: D's first bytes -> the first chunk sent to the client.
 * ``ttft``: the proxy got the request -> the first chunk sent.
 """
@@ -26,7 +30,8 @@ from pathlib import Path
 
 # phase -> (from moment, to moment), the moments as ``attribute`` names them
 _SPANS = {"p_queue_prefill": ("arrival", "send_ready"), "transfer": ("send_ready", "write_settled"),
-          "d_notified": ("write_settled", "recv_done"), "d_first_step": ("recv_done", "first_bytes"),
+          "d_notified": ("write_settled", "recv_done"), "d_reported": ("recv_done", "reported"),
+          "d_first_step": ("reported", "first_bytes"),
           "proxy_out": ("first_bytes", "sent"), "ttft": ("arrival", "sent")}
 PHASES = tuple(_SPANS)
 
@@ -61,6 +66,7 @@ def attribute(proxy: list[dict], p: list[dict], d: list[dict]) -> dict[str, dict
             "send_ready": _at(send, "send_ready"),
             "write_settled": _at(send, "write_settled"),
             "recv_done": _at(recv, "recv_done"),
+            "reported": _at(recv, "finished_recving") or _at(recv, "recv_done"),
             "first_bytes": _at(line, "decode_first_chunk"),
             "sent": _at(line, "first_chunk_sent") or _at(line, "decode_first_chunk"),
         }

@@ -213,6 +213,9 @@ class PushWorker:
                 self._on_event(event)
         sending, recving = self._done_sending, self._done_recving
         self._done_sending, self._done_recving = set(), set()
+        if (sending or recving) and self._registered and self.client.supports(wp.REPORTED_MINOR):
+            # The moment vLLM learns of them, for the daemon's request timelines.
+            self._send(wp.Reported(sending=list(sending), recving=list(recving), at=time.monotonic()))
         return sending, recving
 
     def take_stats(self) -> Counts | None:

@@ -28,12 +28,14 @@ MatchKey = Annotated[str, msgspec.Meta(max_length=MATCH_KEY_MAX, pattern=r"^[A-Z
 
 MAGIC = b"PSVW"
 MAJOR = 1
-MINOR = 3  # 1.1: RegisterRecv.match_key, SendReady.match_key; 1.2: CudaIpcBuffers; 1.3: Region.heads/replicated
+MINOR = 4  # 1.1: RegisterRecv.match_key, SendReady.match_key; 1.2: CudaIpcBuffers; 1.3: Region.heads/replicated;
+# 1.4: Reported
 # The first minor whose daemon accepts ``match_key``; a client sets it only for such a daemon.
 MATCH_KEY_MINOR = 1
 # The first minor whose daemon takes CUDA KV memory (``CudaIpcBuffers``).
 CUDA_IPC_MINOR = 2
 HEADS_MINOR = 3  # a client sends Region.heads and .replicated only to a daemon at this minor or later
+REPORTED_MINOR = 4  # ... and ``Reported`` from this one on
 CUDA_IPC_HANDLE_BYTES = 64
 
 Role = Literal["producer", "consumer", "both"]
@@ -154,7 +156,17 @@ class Describe(msgspec.Struct, tag="describe", **_opts):
     becoming a worker. The daemon answers ``Welcome`` and closes the connection."""
 
 
-WorkerMessage = Union[Hello, RegisterKV, RegisterRecv, SendReady, Evict, Ping, Describe]
+class Reported(msgspec.Struct, tag="reported", **_opts):
+    """1.4: the worker handed these finished transfers to vLLM (``get_finished``:
+    ``finished_sending`` / ``finished_recving``) at ``at``, seconds on the host's monotonic
+    clock. Only for the request timelines: the daemon's state does not depend on it."""
+
+    sending: Annotated[list[RequestId], msgspec.Meta(max_length=65536)] = []
+    recving: Annotated[list[RequestId], msgspec.Meta(max_length=65536)] = []
+    at: Annotated[float, msgspec.Meta(ge=0.0, le=1e12)] = 0.0
+
+
+WorkerMessage = Union[Hello, RegisterKV, RegisterRecv, SendReady, Evict, Ping, Describe, Reported]
 
 
 # ---------------------------------------------------------------- daemon -> worker

@@ -188,6 +188,9 @@ class PushService:
         elif isinstance(msg, wp.Ping):
             if rank.conn is not None:
                 rank.conn.send(wp.Pong(token=msg.token))
+        elif isinstance(msg, wp.Reported):
+            self.timelines.reported(rank, msg)
+            return  # nothing changed that the loop must act on
         else:
             raise ProtocolError(f"unexpected {type(msg).__name__}")
         self.wake()

@@ -61,6 +61,24 @@ class Timelines:
         if log.is_enabled_for(logging.INFO):  # building the event costs more than the rest
             log.info("request_timeline", **self.describe(timeline))
 
+    def reported(self, rank: Rank, msg: wp.Reported) -> None:
+        """The worker handed these requests to vLLM as finished (``finished_sending`` /
+        ``finished_recving``): the last moment of their closed timelines, observed as its
+        own phase. The worker's time is on the host's clock; one before the final event
+        or in the future is taken as the nearest plausible one."""
+        now = self._clock()
+        for side, ids, event in ((SEND, msg.sending, "finished_sending"), (RECV, msg.recving, "finished_recving")):
+            for rid in ids:
+                timeline = self._book.closed(rank.number, side, rid)
+                if timeline is None or timeline.has(event):
+                    continue
+                final = timeline.events[-1][1]
+                at = min(max(msg.at, final), now)
+                timeline.mark(event, at)
+                self._phase(side, event).observe(at - final)
+                log.debug("request_reported", request_id=rid, side=side, rank=rank.number,
+                          after_final_ms=round((at - final) * 1e3, 3))
+
     def _phase(self, side: str, phase: str) -> Any:
         child = self._phases.get((side, phase))
         if child is None:

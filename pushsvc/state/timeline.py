@@ -32,8 +32,11 @@ class Timeline:
 
     def mark(self, event: str, t: float) -> None:
         """Record ``event`` at ``t``; an event already recorded keeps its first time."""
-        if all(name != event for name, _ in self.events):
+        if not self.has(event):
             self.events.append((event, t))
+
+    def has(self, event: str) -> bool:
+        return any(name == event for name, _ in self.events)
 
     def steps(self) -> Iterator[tuple[str, float]]:
         """Each event after the first with the seconds since the one before it."""
@@ -45,13 +48,18 @@ class Timeline:
         return max(0.0, self.events[-1][1] - self.events[0][1]) if self.events else 0.0
 
 
+def _closed_key(t: Timeline) -> tuple[int, str, str]:
+    return (t.rank, t.side, t.request_id)
+
+
 class TimelineBook:
     """Open timelines by key (the caller's: rank, side and request id), and the recent
     closed ones, newest last."""
 
     def __init__(self, keep: int, max_open: int = MAX_OPEN) -> None:
         self._open: OrderedDict[Hashable, Timeline] = OrderedDict()
-        self._recent: deque[Timeline] = deque(maxlen=max(keep, 0) or None)
+        self._recent: deque[Timeline] = deque()
+        self._recent_by: dict[tuple[int, str, str], Timeline] = {}  # (rank number, side, request id)
         self._keep = keep
         self._max_open = max_open
         self.dropped = 0  # open timelines dropped to stay under max_open
@@ -81,8 +89,18 @@ class TimelineBook:
         timeline.mark(outcome, t)
         timeline.outcome = outcome
         if self._keep > 0:
+            if len(self._recent) >= self._keep:
+                oldest = self._recent.popleft()
+                if self._recent_by.get(_closed_key(oldest)) is oldest:
+                    del self._recent_by[_closed_key(oldest)]
             self._recent.append(timeline)
+            self._recent_by[_closed_key(timeline)] = timeline
         return timeline
+
+    def closed(self, rank: int, side: str, request_id: str) -> Timeline | None:
+        """The newest closed timeline of ``request_id`` on that rank and side, while it
+        is among the recent ones (a moment after the final event is added to it)."""
+        return self._recent_by.get((rank, side, request_id))
 
     def drop(self, owner: object) -> int:
         """Forget the open timelines whose key's first item is ``owner`` (a rank gone)."""

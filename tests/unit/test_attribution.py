@@ -29,11 +29,13 @@ def test_phases_follow_one_request_across_the_three_timelines() -> None:
     p = [_daemon("cmpl-run-p10-0-1a2b3c4d", "send", 5, send_ready=0, matched=0.5, write_settled=3),
          _daemon("cmpl-run-p1-0", "send", 30, send_ready=0, matched=1, write_settled=4)]
     d = [_daemon("cmpl-run-p1-0", "recv", 2, registered=0, recv_done=34),
-         _daemon("cmpl-run-p10-0-9f8e7d6c", "recv", 1, registered=0, recv_done=10)]
+         _daemon("cmpl-run-p10-0-9f8e7d6c", "recv", 1, registered=0, recv_done=10, finished_recving=12)]
     got = attribution.attribute(proxy, p, d)
-    assert got["run-p1"] == {"p_queue_prefill": 30.0, "transfer": 4.0, "d_notified": 2.0, "d_first_step": 34.0,
-                             "proxy_out": 1.0, "ttft": 71.0}
-    assert got["run-p10"]["p_queue_prefill"] == 5.0 and got["run-p10"]["d_first_step"] == 19.0
+    # run-p1's connector did not report (an older daemon): D's first step counts from RecvDone.
+    assert got["run-p1"] == {"p_queue_prefill": 30.0, "transfer": 4.0, "d_notified": 2.0, "d_reported": 0.0,
+                             "d_first_step": 34.0, "proxy_out": 1.0, "ttft": 71.0}
+    assert got["run-p10"]["p_queue_prefill"] == 5.0
+    assert (got["run-p10"]["d_reported"], got["run-p10"]["d_first_step"]) == (2.0, 17.0)
     assert attribution.medians(got)["requests"] == 2 and attribution.medians(got)["ttft"] == 51.0
 
 

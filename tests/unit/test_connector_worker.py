@@ -213,6 +213,36 @@ async def test_match_key_goes_only_to_a_daemon_that_knows_it(base, silent_port, 
         await daemon.shutdown()
 
 
+@pytest.mark.asyncio
+async def test_what_the_worker_hands_vllm_is_reported_to_a_daemon_that_knows_it(base, monkeypatch) -> None:
+    daemon = Daemon(daemon_config(f"{base}/rt", D_ENGINE), engine=FakeEngine())
+    await daemon.startup()
+    buf = SharedBuffer.create(2 * NUM_BLOCKS * BLOCK_LEN)
+    worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="consumer",
+                        connect_timeout_s=5.0)
+    try:
+        await asyncio.to_thread(worker.register, KVShare(kv_regions(NUM_BLOCKS), buffers=[buf]))
+        sent: list = []
+        real_send = worker.client.send
+        monkeypatch.setattr(worker.client, "send", lambda msg: (sent.append(msg), real_send(msg)))
+        assert worker.client.supports(wp.REPORTED_MINOR)
+        before = time.monotonic()
+        worker.start_step(PushsvcMetadata(recvs={"r1": _registration("r1", [3])}))
+        assert await _finished(worker) == (set(), {"r1"})
+        [report] = [m for m in sent if isinstance(m, wp.Reported)]
+        assert (report.sending, report.recving) == ([], ["r1"]) and before <= report.at <= time.monotonic()
+        await wait_until(lambda: "finished_recving" in daemon.service.timelines.recent(1)[0]["events_ms"],
+                         "the daemon to add the moment to r1's timeline")
+        assert worker.get_finished() == (set(), set()) and len(sent) == 2, "nothing to report: nothing sent"
+        worker.client.daemon_minor = wp.REPORTED_MINOR - 1  # as if the daemon spoke 1.3, which refuses it
+        worker.start_step(PushsvcMetadata(recvs={"r2": _registration("r2", [4])}))
+        assert await _finished(worker) == (set(), {"r2"})
+        assert [type(m).__name__ for m in sent[2:]] == ["RegisterRecv"]
+    finally:
+        worker.close()
+        await daemon.shutdown()
+
+
 # ---------------------------------------------------------------- connection loss
 
 

@@ -6,8 +6,8 @@ The oracle is the protocol's contract, checked input by input from the daemon's 
 
 * a payload the protocol's decoder refuses gets ``Error{code: "decode"}``; before hello
   the connection then closes, after hello it lives on;
-* a well-formed message is handled by type: ``Ping`` gets its ``Pong``, ``Evict`` gets
-  nothing, ``RegisterRecv``/``SendReady`` without registered KV get ``RecvFailed``/
+* a well-formed message is handled by type: ``Ping`` gets its ``Pong``, ``Evict`` and
+  ``Reported`` get nothing, ``RegisterRecv``/``SendReady`` without registered KV get ``RecvFailed``/
   ``SendFailed``, a message out of place gets an ``Error``; before hello only ``Hello``
   (``Welcome``) and ``Describe`` (``Welcome``, close) are accepted;
 * every refusal the worker hears of is counted once in
@@ -137,7 +137,7 @@ def _check_ready(payload: bytes, replies: list[Any], counts: dict[str, int]) -> 
         counts["decode"] += 1
     elif isinstance(msg, wp.Ping):
         assert replies == [wp.Pong(token=msg.token)]
-    elif isinstance(msg, wp.Evict):
+    elif isinstance(msg, (wp.Evict, wp.Reported)):
         assert replies == []
     elif isinstance(msg, wp.RegisterRecv):
         assert len(replies) == 1 and isinstance(replies[0], wp.RecvFailed), replies

@@ -43,6 +43,8 @@ WORKER_MESSAGES = [
     worker.Ping(token=2**63 - 1),
     worker.Describe(),
     worker.Ping(),
+    worker.Reported(sending=["a"], recving=["b", "c"], at=12345.678),
+    worker.Reported(),
 ]
 
 DAEMON_MESSAGES = [
@@ -67,6 +69,7 @@ WORKER_TAGS = {
     worker.Evict: "evict",
     worker.Ping: "ping",
     worker.Describe: "describe",
+    worker.Reported: "reported",
     worker.Welcome: "welcome",
     worker.KVRegistered: "kv_registered",
     worker.RecvDone: "recv_done",

@@ -88,3 +88,23 @@ def test_reopening_a_key_replaces_the_open_timeline() -> None:
     _opened(book, ("r", SEND, "a"), "a", 7.0)
     closed = book.close(("r", SEND, "a"), "send_done", 8.0)
     assert closed is not None and closed.started == 7.0 and book.open_count == 0
+
+
+def test_closed_finds_the_newest_recent_timeline_of_a_request_until_it_falls_out() -> None:
+    book = TimelineBook(keep=2)
+    for i, rid in enumerate(("a", "b", "a")):  # "a" twice: a reused id, the newer one wins
+        _opened(book, ("rank", RECV, rid), rid, float(i), side=RECV)
+        book.close(("rank", RECV, rid), "recv_done", i + 0.5)
+    newest = book.closed(0, RECV, "a")
+    assert newest is not None and newest.started == 2.0
+    assert book.closed(0, RECV, "b") is not None
+    assert book.closed(0, SEND, "a") is None and book.closed(1, RECV, "a") is None
+    _opened(book, ("rank", RECV, "c"), "c", 3.0, side=RECV)
+    assert book.closed(0, RECV, "c") is None, "still open"
+    book.close(("rank", RECV, "c"), "recv_done", 3.5)
+    assert book.closed(0, RECV, "b") is None, "fell out of the recent ones"
+    assert book.closed(0, RECV, "a") is newest and book.closed(0, RECV, "c") is not None
+    nothing_kept = TimelineBook(keep=0)
+    _opened(nothing_kept, ("rank", RECV, "x"), "x", 0.0, side=RECV)
+    nothing_kept.close(("rank", RECV, "x"), "recv_done", 1.0)
+    assert nothing_kept.closed(0, RECV, "x") is None

@@ -3,6 +3,8 @@ phase histogram and the log show for pushes that finish and for ones that fail."
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from daemon_fixtures import http_get, metric, push_pair, wait_until
 
@@ -83,3 +85,47 @@ async def test_requests_endpoint_checks_its_query_and_keeps_what_the_config_says
             status, body = await http_get(pair.d, "/v1/requests" + bad)
             assert status == 400 and "limit" in body["error"], bad
         assert metric(pair.d, "pushsvc_phase_seconds_count", side="recv", phase="total") == 4
+
+
+@pytest.mark.asyncio
+async def test_the_workers_report_to_vllm_is_the_last_moment_and_a_phase_of_its_own() -> None:
+    """``Reported`` (worker protocol 1.4): the moment the connector handed the request to
+    vLLM as finished ends each side's timeline; a repeat, an unknown id or an implausible
+    time changes nothing it should not."""
+    async with push_pair() as pair:
+        pair.register_recv("d-req", [3, 4])
+        await wait_until(lambda: metric(pair.p, "pushsvc_notifications_total", kind="push_reg") == 1, "PUSH_REG at P")
+        pair.send_ready("d-req", [0, 1])
+        await pair.dw.wait_for(wp.RecvDone, "d-req")
+        await pair.pw.wait_for(wp.SendDone, "d-req")
+        pair.dw.send(wp.Reported(recving=["d-req", "unknown"], at=time.monotonic()))
+        pair.pw.send(wp.Reported(sending=["d-req"], at=0.0))  # before the final: taken as the final's time
+        def reported() -> bool:
+            return (metric(pair.d, "pushsvc_phase_seconds_count", side="recv", phase="finished_recving") == 1
+                    and metric(pair.p, "pushsvc_phase_seconds_count", side="send", phase="finished_sending") == 1)
+        await wait_until(reported, "both reports")
+        [d_line] = await _timelines(pair.d)
+        assert _names(d_line)[-2:] == ["recv_done", "finished_recving"] and d_line["outcome"] == "recv_done"
+        [p_line] = await _timelines(pair.p)
+        assert _names(p_line)[-1] == "finished_sending"
+        assert p_line["events_ms"]["finished_sending"] == p_line["events_ms"]["send_done"]
+        # Again, and from the future: the first report stands, nothing observed twice.
+        pair.dw.send(wp.Reported(recving=["d-req"], at=time.monotonic() + 3600))
+        await pair.dw.ping(7)
+        assert metric(pair.d, "pushsvc_phase_seconds_count", side="recv", phase="finished_recving") == 1
+        [again] = await _timelines(pair.d)
+        assert again["events_ms"] == d_line["events_ms"]
+        assert metric(pair.d, "pushsvc_malformed_total", source="worker", reason="decode") == 0
+
+
+@pytest.mark.asyncio
+async def test_a_report_from_the_future_is_taken_as_now() -> None:
+    async with push_pair() as pair:
+        pair.register_recv("gone", [5])
+        pair.dw.send(wp.Evict(request_ids=["gone"]))
+        await pair.dw.wait_for(wp.RecvFailed, "gone")
+        pair.dw.send(wp.Reported(recving=["gone"], at=time.monotonic() + 3600))
+        await wait_until(lambda: metric(pair.d, "pushsvc_phase_seconds_count", side="recv",
+                                        phase="finished_recving") == 1, "the report")
+        [line] = await _timelines(pair.d)
+        assert line["events_ms"]["finished_recving"] - line["events_ms"]["recv_failed"] < 60_000
