@@ -181,18 +181,27 @@ async def test_idle_wait_after_the_client_saw_the_daemon_close_notices_the_loss(
         await daemon.shutdown()
 
 
-@pytest.mark.asyncio
-async def test_match_key_goes_only_to_a_daemon_that_knows_it(base, silent_port, monkeypatch) -> None:
+@contextlib.asynccontextmanager
+async def _recording_worker(base: str, role: str, monkeypatch) -> AsyncIterator[tuple[Daemon, PushWorker, list]]:
+    """A daemon and a registered PushWorker of ``role``; the list collects what the worker sends."""
     daemon = Daemon(daemon_config(f"{base}/rt", D_ENGINE), engine=FakeEngine())
     await daemon.startup()
     buf = SharedBuffer.create(2 * NUM_BLOCKS * BLOCK_LEN)
-    worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="both",
-                        connect_timeout_s=5.0)
+    worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role=role, connect_timeout_s=5.0)
     try:
         await asyncio.to_thread(worker.register, KVShare(kv_regions(NUM_BLOCKS), buffers=[buf]))
         sent: list = []
         real_send = worker.client.send
         monkeypatch.setattr(worker.client, "send", lambda msg: (sent.append(msg), real_send(msg)))
+        yield daemon, worker, sent
+    finally:
+        worker.close()
+        await daemon.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_match_key_goes_only_to_a_daemon_that_knows_it(base, silent_port, monkeypatch) -> None:
+    async with _recording_worker(base, "both", monkeypatch) as (_daemon, worker, sent):
 
         def step(rid: str, block: int) -> None:
             reg = wp.RegisterRecv(request_id=f"{rid}-d", local_block_ids=[[block]], remote_engine_id="prefill",
@@ -208,23 +217,11 @@ async def test_match_key_goes_only_to_a_daemon_that_knows_it(base, silent_port, 
         assert [type(m).__name__ for m in sent[2:]] == ["RegisterRecv", "SendReady"]
         assert [m.match_key for m in sent[2:]] == ["", ""]
         assert [m.request_id for m in sent[2:]] == ["old-d", "old-p"]
-    finally:
-        worker.close()
-        await daemon.shutdown()
 
 
 @pytest.mark.asyncio
 async def test_what_the_worker_hands_vllm_is_reported_to_a_daemon_that_knows_it(base, monkeypatch) -> None:
-    daemon = Daemon(daemon_config(f"{base}/rt", D_ENGINE), engine=FakeEngine())
-    await daemon.startup()
-    buf = SharedBuffer.create(2 * NUM_BLOCKS * BLOCK_LEN)
-    worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="consumer",
-                        connect_timeout_s=5.0)
-    try:
-        await asyncio.to_thread(worker.register, KVShare(kv_regions(NUM_BLOCKS), buffers=[buf]))
-        sent: list = []
-        real_send = worker.client.send
-        monkeypatch.setattr(worker.client, "send", lambda msg: (sent.append(msg), real_send(msg)))
+    async with _recording_worker(base, "consumer", monkeypatch) as (daemon, worker, sent):
         assert worker.client.supports(wp.REPORTED_MINOR)
         before = time.monotonic()
         worker.start_step(PushsvcMetadata(recvs={"r1": _registration("r1", [3])}))
@@ -238,9 +235,6 @@ async def test_what_the_worker_hands_vllm_is_reported_to_a_daemon_that_knows_it(
         worker.start_step(PushsvcMetadata(recvs={"r2": _registration("r2", [4])}))
         assert await _finished(worker) == (set(), {"r2"})
         assert [type(m).__name__ for m in sent[2:]] == ["RegisterRecv"]
-    finally:
-        worker.close()
-        await daemon.shutdown()
 
 
 # ---------------------------------------------------------------- connection loss
