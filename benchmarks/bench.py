@@ -245,7 +245,7 @@ def main() -> int:
         args.idle_window, args.idle_s, args.worker_steps, args.max_tokens = 2.0, 2.0, 20_000, 8
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(args.out) if args.out else ROOT / "bench-results" / stamp
+    out_dir = (Path(args.out) if args.out else ROOT / "bench-results" / stamp).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     quiet = wait_quiet(args.wait_quiet_s) if args.wait_quiet_s > 0 else None

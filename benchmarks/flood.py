@@ -284,7 +284,7 @@ def main() -> int:
                   flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    out_dir = Path(args.out) if args.out else ROOT / "bench-results" / time.strftime("flood-%Y%m%d-%H%M%S")
+    out_dir = (Path(args.out) if args.out else ROOT / "bench-results" / time.strftime("flood-%Y%m%d-%H%M%S")).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "flood.json").write_text(json.dumps({"conns": args.conns, "seconds": args.seconds,
                                                     "scenarios": results}, indent=2))

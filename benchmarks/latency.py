@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deployments", default="colocated,pushsvc")
     ap.add_argument("--run-timeout-s", type=float, default=900.0)
     args = ap.parse_args(argv)
-    out = Path(args.out or ROOT / "bench-results" / f"latency-{datetime.now():%Y%m%d-%H%M%S}")
+    out = Path(args.out or ROOT / "bench-results" / f"latency-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     model = ensure_tiny_model(args.model_dir)
     points = [Point(int(n), int(c)) for n in args.input_lens.split(",") for c in args.concurrency.split(",")]
