@@ -7,7 +7,10 @@ vLLM keeps its hybrid manager on for P and D; each request's KV goes as three pe
 block lists, the sliding-window groups carrying only the blocks their window still reads.
 The reference outputs come from a colocated vLLM with the hybrid manager *off* (every
 layer keeps every block), so equal outputs also show that the blocks D does not receive
-are blocks D never reads. The same runs measure the KV memory D saves: vLLM's own
+are blocks D never reads: the first token of every output equals colocated's, and a later
+token may differ only where colocated's own two best tokens were within ``NEAR_TIE`` nats
+(D computes each prompt's last token and decodes in other batches than colocated did,
+so its bf16 sums round differently). The same runs measure the KV memory D saves: vLLM's own
 KV-cache capacity, in tokens, of the two (same KV memory, ``VLLM_CPU_KVCACHE_SPACE``).
 """
 
@@ -22,11 +25,13 @@ from typing import Any
 import pytest
 from conftest import kept_on_failure
 from helpers import (
+    COMPLETIONS,
     E2EStack,
     Outcome,
-    assert_like_colocated,
     build_requests,
     completion,
+    differences_at_ties,
+    diverged_at,
     generate,
     generate_all,
     get_json,
@@ -50,6 +55,7 @@ LAYERS, KV_HEADS, HEAD_DIM = 6, 2, 64
 GROUP_BLOCK_BYTES = 2 * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2  # 2 layers a group, K and V, bf16
 SETTLE_S = 15.0
 HMA_OFF = "Turning off hybrid kv cache manager"
+NEAR_TIE = 0.05  # nats between colocated's two best tokens where bf16 rounding may pick either
 
 
 @dataclass
@@ -85,7 +91,10 @@ def hybrid(request: pytest.FixtureRequest) -> Iterator[HybridPD]:
     path = ensure_tiny_model(MODEL_DIR, family="gemma3", layers=LAYERS, hidden=256, heads=4, kv_heads=KV_HEADS,
                              window=WINDOW)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    reqs = build_requests(tokenizer, path).outputs
+    # The prompts of the P/D suite, as plain completions that also return their five best
+    # tokens at each step (a difference is then judged against colocated's own margin).
+    reqs = [r.with_body(logprobs=5, return_tokens_as_token_ids=True) for r in build_requests(tokenizer, path).outputs
+            if r.path == COMPLETIONS and not r.body.get("stream")]
     with kept_on_failure(request) as workdir, E2EStack(workdir, progress=print, vllm_log_level="INFO") as st:
         colocated = st.vllm("vllm-colocated", path, extra=("--disable-hybrid-kv-cache-manager",))
         refs = generate_all(colocated.url, reqs)
@@ -123,7 +132,15 @@ def test_outputs_match_colocated_and_every_push_verifies(hybrid: HybridPD) -> No
     verified_before = verify_results(hybrid.decode_daemon.url) or {}
     done_before = _done(hybrid)
     got = generate_all(hybrid.proxy.url, hybrid.reqs, concurrency=8)
-    assert_like_colocated(got, hybrid.refs, hybrid.reqs, "the proxy", hybrid.logs)
+    failed = {name: str(o) for name, o in got.items() if not o.ok}
+    assert not failed, f"requests failed through the proxy: {failed}\n{hybrid.logs()}"
+    first = {r.name: (got[r.name].tokens, hybrid.refs[r.name].tokens) for r in hybrid.reqs
+             if diverged_at(got[r.name].tokens, hybrid.refs[r.name].tokens) == 0}
+    assert not first, f"first token differs from colocated: {first}"
+    report, not_ties = differences_at_ties(hybrid.reqs, got, hybrid.refs, NEAR_TIE)
+    print(f"{len(hybrid.reqs) - len(report)} of {len(hybrid.reqs)} outputs equal colocated; the others:",
+          *report, sep="\n  ")
+    assert not not_ties, f"outputs differ from colocated beyond a near-tie: {not_ties}"
     wait_for("P daemon's completed pushes", lambda: _done(hybrid) - done_before, lambda n: n >= len(hybrid.reqs),
              SETTLE_S)
     checked = wait_for("D daemon's verified pushes",
