@@ -25,12 +25,14 @@ MAJOR = 1
 # 1.1: AuthChallenge, AuthProof (sent only with a secret); 1.2: PushReg.match_key;
 # 1.3: AgentInfo.device and AgentInfo.parts (WRITEs in parts, ``PUSH_PART`` notifications);
 # 1.4: PeerHello.ucx_error_handling_mode; 1.5: RegionInfo.heads/replicated and ``source_rank`` on
-# PushFailed, CancelPush, PushCancelled, WriteStarted (P TP = k x D TP)
-MINOR = 5
+# PushFailed, CancelPush, PushCancelled, WriteStarted (P TP = k x D TP); 1.6: AgentInfo.members
+# (a D daemon's joint agent over several of its ranks, D TP = k x P TP)
+MINOR = 6
 AUTH_MINOR = 1
 MATCH_KEY_MINOR = 2  # a D daemon sets PushReg.match_key only for a P at this minor or later
 PARTS_MINOR = 3  # a P daemon splits WRITEs only for a D at this minor or later that asks for it
 HETERO_TP_MINOR = 5  # a D daemon registers with several P ranks only at this minor or later
+JOINT_MINOR = 6  # a D daemon announces its joint agents only to a P at this minor or later
 
 _opts = dict(forbid_unknown_fields=True, omit_defaults=True, tag_field="t")
 
@@ -65,6 +67,15 @@ class AgentInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, 
     # 1.3: WRITEs into this agent may come in parts, each with a ``PUSH_PART`` notification
     # (its regions are a landing buffer that its daemon copies out of as parts land).
     parts: bool = False
+    # 1.6: a joint agent of ``members`` of the sender's TP ranks (D TP = members x P TP), named
+    # as the one rank ``rank`` of TP ``tp_size`` that P rank ``rank`` writes into: its regions
+    # are those of D ranks ``rank*members`` .. ``rank*members + members - 1``, in that order.
+    members: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+
+
+def announceable(agents: list[AgentInfo], minor: int) -> list[AgentInfo]:
+    """The agents a peer of side-channel 1.``minor`` may hear of (joint agents from 1.6)."""
+    return agents if minor >= JOINT_MINOR else [a for a in agents if a.members == 1]
 
 
 _Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_LEN, max_length=NONCE_LEN)]

@@ -221,7 +221,13 @@ class Daemon:
                  if r.memory and r.memory.staging else 0}
                 for r in self.service.ranks.current.values()
             ],
-            "retiring_agents": [r.agent.name for r in self.service.ranks.retiring],
+            # D TP above P's: one joint agent per P rank of each lower P TP (server/joints.py).
+            "joints": [
+                {"rank": j.number, "tp_size": j.tp_size, "agent": j.agent.name,
+                 "members": [m.number for m in j.members], "gathering": len(j.gathering)}
+                for j in self.service.joints.current.values()
+            ],
+            "retiring_agents": [r.agent.name for r in [*self.service.ranks.retiring, *self.service.joints.retiring]],
             "peers": [
                 {"engine_id": p.engine_id, "daemon_id": p.daemon_id, "host": p.host, "port": p.port,
                  "minor": p.minor, "authenticated": p.authenticated, "agents": sorted(p.agents)}

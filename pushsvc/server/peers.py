@@ -219,7 +219,10 @@ class PeerManager:
 
     async def _introduce(self, session: Session, expect_engine: str = "") -> PeerIntro:
         def hello() -> pp.PeerHello:
+            # Sent before the peer's preamble may be read: joint agents (1.6) follow in an
+            # AgentsUpdate once the peer's minor is known.
             mine = self._my_hello()
+            mine = msgspec.structs.replace(mine, agents=pp.announceable(mine.agents, 0))
             session.announced = list(mine.agents)
             return mine
 
@@ -400,7 +403,7 @@ class PeerManager:
         self._add_agents(peer, hello.agents)
         # Agents registered after our hello went out, while the peer's was on its way:
         # the broadcast that announced them did not reach this session yet.
-        late = [a for a in self._local_agents() if a not in session.announced]
+        late = [a for a in pp.announceable(self._local_agents(), intro.minor) if a not in session.announced]
         if late:
             session.send(pp.AgentsUpdate(agents=late))
         log.info("peer_up", peer=peer.engine_id, daemon=peer.daemon_id[:8], agents=len(peer.agents),
@@ -412,7 +415,8 @@ class PeerManager:
         for a in new:
             # A new agent for a rank replaces the old one (its worker restarted): no
             # registration or WRITE may go to the old agent's memory any more.
-            for name in [n for n, old in peer.agents.items() if old.rank == a.rank and n != a.agent_name]:
+            for name in [n for n, old in peer.agents.items()
+                         if _same_place(old, a) and n != a.agent_name]:
                 del peer.agents[name]
                 if self._by_agent.get(name) is peer:
                     del self._by_agent[name]
@@ -524,6 +528,13 @@ class PeerManager:
 
     # ------------------------------------------------------------------ sending
 
+    def announce(self, agents: list[pp.AgentInfo]) -> None:
+        """Tell every peer of local agents that are new: each those its minor knows of."""
+        for peer in self.peers.values():
+            mine = pp.announceable(agents, peer.minor)
+            if mine:
+                self.send(peer, pp.AgentsUpdate(agents=mine))
+
     def broadcast(self, msg: msgspec.Struct) -> None:
         for peer in self.peers.values():
             self.send(peer, msg)
@@ -537,3 +548,9 @@ class PeerManager:
     def __repr__(self) -> str:
         return (f"<PeerManager {self.engine_id} port={self._port} peers={len(self.peers)} "
                 f"sessions={self._sessions} dialing={len(self._dialing)}>")
+
+
+def _same_place(old: pp.AgentInfo, new: pp.AgentInfo) -> bool:
+    """``new`` takes ``old``'s place: the same rank of the same TP (a worker restarted, or a
+    joint agent was rebuilt over new members)."""
+    return old.rank == new.rank and old.tp_size == new.tp_size and old.members == new.members

@@ -23,7 +23,8 @@ from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
 from pushsvc.server.remotes import RemoteAgents
 from pushsvc.state.landing import LandingGeometry
-from pushsvc.state.layout import Layout, RegionSpec
+from pushsvc.errors import LayoutError
+from pushsvc.state.layout import Layout, RegionSpec, descriptor_table, joint_source
 
 
 class WorkerLink(Protocol):
@@ -82,6 +83,21 @@ class RankMemory:
     device: Device | None = None
     landing: LandingMemory | None = None
     staging: StagingMemory | None = None
+    # P: the worker's blocks as WRITEs into a D joint agent of k members read them (k ->
+    # layout, descriptors, prepared list), built on the first such WRITE (``joint_source``).
+    joint_sources: dict[int, tuple[Layout, np.ndarray, DListHandle]] = field(default_factory=dict)
+
+    def joint_source(self, agent: Agent, members: int) -> tuple[Layout, np.ndarray, DListHandle]:
+        """What a WRITE into a joint agent of ``members`` D ranks reads of the worker's
+        blocks (``layout.joint_source``): LayoutError where the blocks do not split."""
+        kept = self.joint_sources.get(members)
+        if kept is None:
+            if self.dlist is None:
+                raise LayoutError("this rank's KV memory was registered to receive only")
+            layout = joint_source(self.layout, members)
+            descs = descriptor_table(layout, self.device.ordinal if self.device is not None else 0)
+            kept = self.joint_sources[members] = (layout, descs, agent.prep_local(descs, self.mem_type))
+        return kept
 
     @property
     def nbytes(self) -> int:

@@ -31,6 +31,7 @@ from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
+from pushsvc.server.joints import Gather, Joint, Joints
 from pushsvc.server.landing import Action, Landing, PartOutcome
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerLink
@@ -40,6 +41,7 @@ from pushsvc.server.tasks import TaskSet
 from pushsvc.server.timelines import Timelines
 from pushsvc.server.verify import count_mismatches, digest_memory
 from pushsvc.state.consumer import (
+    CANCELLED,
     CompletionOutcome,
     ConsumerTable,
     EvictOutcome,
@@ -75,8 +77,9 @@ class ReceiveSettings:
 
 class Receiver:
     def __init__(self, *, settings: ReceiveSettings, outbox: Outbox, peers: PeerLink, metrics: Metrics,
-                 tasks: TaskSet, wake: Callable[[], None], timelines: Timelines) -> None:
+                 tasks: TaskSet, wake: Callable[[], None], timelines: Timelines, joints: Joints) -> None:
         self._settings = settings
+        self._joints = joints  # D TP above P's: registrations gathered over a joint's members
         self._timelines = timelines
         self._outbox = outbox
         self._peers = peers
@@ -107,10 +110,13 @@ class Receiver:
     def on_register_recv(self, rank: Rank, msg: wp.RegisterRecv, predecessors: list[Rank]) -> None:
         """``predecessors``: retiring ranks of the same worker process, whose blocks are
         this rank's blocks too."""
+        if msg.remote_tp_size < rank.tp_size and not isinstance(rank, Joint):
+            self._join(rank, msg, predecessors)
+            return
         rid = msg.request_id
         table = self._of(rank)
         bound = log.bind(request_id=rid, rank=rank.number, peer=msg.remote_engine_id)
-        if table.tracks(rid):
+        if table.tracks(rid) or (not isinstance(rank, Joint) and self._joined(rank, rid)):
             # Checked before the blocks: a refusal would answer RecvFailed for the
             # live request, and its worker would reuse blocks P may still write into.
             self._metrics.duplicates.labels("registration").inc()
@@ -160,13 +166,97 @@ class Receiver:
             check_block_ids(rank.memory.layout, msg.local_block_ids, "registration")
         except LayoutError as exc:
             return str(exc)
-        for r in [rank, *predecessors]:
-            held = self._of(r).holder(msg.local_block_ids) or self.landing.holder(r, msg.local_block_ids)
-            if held is not None:
-                return f"registration: block {held[0]} is held by live request {held[1]}"
+        # A joint's blocks are its members' blocks: a registration of one of them holds them too.
+        held = self._held(msg.local_block_ids, [rank, *predecessors, *(rank.members if isinstance(rank, Joint)
+                                                                       else ())])
+        if held:
+            return held
         if self.landing.tracks(rank, msg.request_id):
             return "registration: the request id's previous registration is still landing"
         return ""
+
+    def _held(self, block_ids: list[list[int]], ranks: list[Rank]) -> str:
+        """Whether a registration of ``ranks`` or of a joint they are members of holds a
+        block of ``block_ids`` (the same worker's blocks either way)."""
+        for r in [*ranks, *(j for r in ranks for j in self._joints.containing(r))]:
+            held = self._of(r).holder(block_ids) or self.landing.holder(r, block_ids)
+            if held is not None:
+                return f"registration: block {held[0]} is held by live request {held[1]}"
+        return ""
+
+    # ------------------------------------------------------------------ joints (D TP above P's)
+
+    def _join(self, rank: Rank, msg: wp.RegisterRecv, predecessors: list[Rank]) -> None:
+        """A member's registration for a P of lower TP: gathered until every member of
+        its joint registered it, then the joint's goes out (``joints.py``)."""
+        rid = msg.request_id
+        bound = log.bind(request_id=rid, rank=rank.number, peer=msg.remote_engine_id)
+        joint, why = self._joints.for_rank(rank, msg.remote_tp_size)
+        gather, index = None, 0
+        if joint is not None:
+            index = joint.index_of(rank)
+            gather = joint.gathering.get(rid)
+            if self._of(rank).tracks(rid) or self._of(joint).tracks(rid) or (
+                    gather is not None and index in gather.parts):
+                self._metrics.duplicates.labels("registration").inc()
+                bound.info("recv_duplicate")
+                return
+        if not any(msg.local_block_ids):  # a release: the first member's goes out through the joint
+            if joint is not None and joint.index_of(rank) == 0:
+                self._release(joint, msg, Remote(msg.remote_engine_id, msg.remote_host, msg.remote_port,
+                                                 msg.remote_tp_size))
+            return
+        if joint is None:
+            reason = why
+        elif rank.memory is None:
+            reason = "no KV memory registered for this rank"
+        else:
+            try:
+                check_block_ids(rank.memory.layout, msg.local_block_ids, "registration")
+                reason = self._held(msg.local_block_ids, [rank, *predecessors])
+            except LayoutError as exc:
+                reason = str(exc)
+            if not reason and gather is not None:
+                reason = gather.disagreement(msg)
+        if reason:
+            self._metrics.malformed.labels("worker", "registration").inc()
+            bound.warning("recv_rejected", phase="register", error=reason)
+            self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=_flat(msg.local_block_ids), reason=reason))
+            if joint is not None and gather is not None:
+                self._ungather(joint, rid, f"{reason} (D rank {rank.number})")
+            return
+        assert joint is not None
+        gather = joint.gathering.setdefault(rid, Gather(self._now()))
+        gather.parts[index] = msg
+        if len(gather.parts) == len(joint.members):
+            del joint.gathering[rid]
+            bound.debug("recv_joined", joint=joint.number, members=len(joint.members))
+            self.on_register_recv(joint, msg, [])
+
+    def _ungather(self, joint: Joint, rid: str, reason: str) -> None:
+        """End ``rid``'s gathering: every member that registered it hears ``reason``."""
+        gather = joint.gathering.pop(rid, None)
+        if gather is None:
+            return
+        self._metrics.failures.labels(reason.split(":", 1)[0]).inc()
+        log.warning("recv_failed", request_id=rid, joint=joint.number, kind="joint", error=reason,
+                    registered=sorted(joint.members[i].number for i in gather.parts))
+        for index, msg in gather.parts.items():
+            self._outbox.tell(joint.members[index], wp.RecvFailed(
+                request_id=rid, block_ids=_flat(msg.local_block_ids), reason=reason))
+
+    def _joined(self, rank: Rank, rid: str) -> bool:
+        """``rank`` registered ``rid`` for a joint: it is gathering or tracked there."""
+        return any(rid in j.gathering or self._of(j).tracks(rid) for j in self._joints.containing(rank))
+
+    def joint_retired(self, joint: Joint) -> None:
+        """``joint`` will not be registered with again (a member retired): what it was
+        still gathering ends, and its members hear it."""
+        for rid in list(joint.gathering):
+            self._ungather(joint, rid, f"{CANCELLED}: D's ranks changed while it was registered")
+
+    def _joints_of(self, ranks: list[Rank]) -> list[Joint]:
+        return list(dict.fromkeys(j for r in ranks for j in self._joints.containing(r)))
 
     def _tp_refusal(self, rank: Rank, p_tp: int) -> str:
         """Why this rank cannot take KV from a P of TP ``p_tp``, or ''. With P TP = k x D
@@ -193,7 +283,12 @@ class Receiver:
         """The worker withdrew ``rid`` (from any of its ranks: a reconnected worker
         withdraws what it registered on its old connection too). Its blocks are given
         back once P can no longer write into them."""
-        for rank in ranks:
+        joints = self._joints_of(ranks)
+        for joint in joints:
+            if rid in joint.gathering:  # the others' registrations can never be joined now
+                self._ungather(joint, rid, CANCELLED)
+                return
+        for rank in [*ranks, *joints]:
             table = self._tables.get(rank)
             entry = table.pending.get(rid) if table is not None else None
             if entry is None:
@@ -235,6 +330,11 @@ class Receiver:
         table = self._tables.get(rank)
         for rid in list(table.pending) if table is not None else ():
             self.evict([rank], rid)
+        for joint in self._joints_of([rank]):  # no joint registration can finish without it
+            for rid in list(joint.gathering):
+                self._ungather(joint, rid, f"{CANCELLED}: D rank {rank.number}'s worker disconnected")
+            for rid in list(self._of(joint).pending):
+                self.evict([joint], rid)
 
     # ------------------------------------------------------------------ from P
 
@@ -451,6 +551,11 @@ class Receiver:
     # ------------------------------------------------------------------ peers, timers
 
     def expire(self, now: float) -> None:
+        watchdog = self._settings.watchdog_s
+        for joint in self._joints.all():
+            for rid in [r for r, g in joint.gathering.items() if now - g.started_at >= watchdog]:
+                self._ungather(joint, rid, f"watchdog: D ranks {[m.number for m in joint.members]} did not all "
+                                           f"register it within {watchdog}s")
         live = self._peers.live_daemons()
         for rank, table in list(self._tables.items()):
             for exp in table.expire(now, live):

@@ -1,7 +1,8 @@
 """D's PUSH_REGs out: a registration (or a release) goes to P's agents that write into
 this rank (the same rank at equal TP; with P TP = k x D TP, the k ranks ``state/tp.py``
 names, one PUSH_REG each; replicated KV, MLA's, only to the first of them and a release
-to the others), at once where P's daemon is known and announced those agents, else
+to the others; a joint agent of D's ranks, ``joints.py``, stands at P's TP and sends to
+the one P rank it takes KV from), at once where P's daemon is known and announced those agents, else
 after a handshake (and the announcement) in a task of its own so no other request waits
 behind it. Part of D's side (``receiver.py``), which owns the tables."""
 
@@ -17,6 +18,7 @@ import structlog
 from pushsvc.errors import HandshakeError, TransferError
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
+from pushsvc.server.joints import Joint
 from pushsvc.server.landing import Landing
 from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
@@ -135,6 +137,9 @@ class Registrar:
         if why:
             raise HandshakeError(why)
         ranks = tp.sources(rank.number, rank.tp_size, p_tp)
+        if isinstance(rank, Joint) and peer.minor < pp.JOINT_MINOR:
+            raise HandshakeError(f"P daemon {peer.engine_id} speaks side channel 1.{peer.minor}; P TP {p_tp} -> "
+                                 f"D TP {rank.members[0].tp_size} needs 1.{pp.JOINT_MINOR}")
         if len(ranks) > 1 and peer.minor < pp.HETERO_TP_MINOR:
             raise HandshakeError(f"P daemon {peer.engine_id} speaks side channel 1.{peer.minor}; P TP {p_tp} -> "
                                  f"D TP {rank.tp_size} needs 1.{pp.HETERO_TP_MINOR}")

@@ -23,7 +23,7 @@ import structlog
 
 from pushsvc.config import Config
 from pushsvc.engine.base import XferState
-from pushsvc.errors import HandshakeError, LayoutError, ProtocolError
+from pushsvc.errors import HandshakeError, LayoutError, ProtocolError, TransferError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
@@ -311,11 +311,16 @@ class Sender:
             return
         s = self._settings
         try:
-            push = plan_push(memory, rank.remotes.layout(target, memory.layout), match, target, peer.minor,
-                             s.part_bytes, s.verify, slot_ids)
+            source = memory.joint_source(rank.agent, target.members) if target.members > 1 else None
+            push = plan_push(memory, rank.remotes.layout(target, source[0] if source else memory.layout), match,
+                             target, peer.minor, s.part_bytes, s.verify, slot_ids, source)
         except LayoutError as exc:
             self.staging.release(rank, staged)
             self._fail_push(rank, match, peer, "layout_mismatch", str(exc))
+            return
+        except TransferError as exc:  # preparing the joint source's descriptors
+            self.staging.release(rank, staged)
+            self._fail_push(rank, match, peer, "write_submit_failed", str(exc))
             return
         # Wall clock, not loop.time(): uvloop caches the loop's time per iteration, and a
         # WRITE over shared memory may complete inside this very call.

@@ -27,6 +27,7 @@ from pushsvc.protocol import worker as wp
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerManager, PeerSettings
 from pushsvc.server.progress import Pace
+from pushsvc.server.joints import Joint, Joints
 from pushsvc.server.kvmemory import MemorySettings, map_kv
 from pushsvc.server.ranks import Rank, RankRegistry, WorkerLink
 from pushsvc.server.receiver import ReceiveSettings, Receiver
@@ -80,9 +81,10 @@ class PushService:
                                       timelines=timelines)
         self.sender = Sender(settings=SendSettings.of(config), outbox=outbox, peers=self.peers, metrics=metrics,
                              tasks=self._tasks, drain=self.drain_notifs, wake=self._wake, timelines=timelines)
+        self.joints = Joints(engine=engine, engine_id=config.engine_id, daemon_id=self.daemon_id, tell=outbox.tell)
         self.receiver = Receiver(settings=ReceiveSettings.of(config, self.daemon_id), outbox=outbox,
                                  peers=self.peers, metrics=metrics, tasks=self._tasks, wake=self._wake,
-                                 timelines=timelines)
+                                 timelines=timelines, joints=self.joints)
         metrics.watch_nixl_handles(self.nixl_handles)
         metrics.watch_tables(self.table_sizes)
         metrics.inflight_writes.set_function(self.writes_in_flight)
@@ -155,9 +157,10 @@ class PushService:
         log.info("kv_registered", rank=rank.number, agent=rank.agent.name, regions=len(msg.regions),
                  bytes=memory.nbytes, mem_type=memory.mem_type, landing_slots=slots)
         # Peers that already know us learn about the new agent; we learn theirs.
-        self.peers.broadcast(pp.AgentsUpdate(agents=[rank.agent_info()]))
+        built = self._rebuild_joints() if rank.role != "producer" else []
+        self.peers.announce([rank.agent_info(), *(j.agent_info() for j in built)])
         for peer in list(self.peers.peers.values()):
-            self._load_agents(peer, list(peer.agents.values()), [rank])
+            self._load_agents(peer, list(peer.agents.values()), [rank, *built])
         return wp.KVRegistered(agent_name=rank.agent.name, regions=len(msg.regions), bytes=memory.nbytes,
                                mem_type=memory.mem_type if rank.conn is None or rank.conn.minor >= 2 else "",
                                landing_slots=slots if rank.conn is None or rank.conn.minor >= 2 else 0)
@@ -215,10 +218,28 @@ class PushService:
         self.sender.refuse_registrations(rank, f"P worker restarted: {reason}")
         self.ranks.retiring.append(rank)
         self.metrics.agents.set(len(self.ranks.current))
+        if rank.role != "producer":
+            for joint in self.joints.rebuild(self.ranks)[1]:  # the joints it was a member of retire
+                self.receiver.joint_retired(joint)
         self._close_settled()
 
+    def _rebuild_joints(self) -> list[Rank]:
+        """Joint agents over D's ranks (D TP above P's, ``joints.py``) for the ranks as
+        they are now: the new ones (their peers learn them from the caller)."""
+        built, retired = self.joints.rebuild(self.ranks)
+        for joint in retired:
+            self.receiver.joint_retired(joint)
+        if retired:
+            self._close_settled()
+        return list(built)
+
     def _close_settled(self) -> None:
-        for rank in [r for r in self.ranks.retiring if self.sender.settled(r) and self.receiver.settled(r)]:
+        for joint in [j for j in self.joints.retiring if self.receiver.settled(j)]:
+            self.receiver.forget(joint)
+            self.timelines.forget(joint)
+            self.joints.close(joint)
+        for rank in [r for r in self.ranks.retiring if self.sender.settled(r) and self.receiver.settled(r)
+                     and not self.joints.uses(r)]:
             self.ranks.retiring.remove(rank)
             self._close(rank)
 
@@ -231,45 +252,56 @@ class PushService:
     # ================================================================ peer events
 
     def agent_infos(self) -> list[pp.AgentInfo]:
-        return [r.agent_info() for r in self.ranks.current.values() if r.ready]
+        return [*(r.agent_info() for r in self.ranks.current.values() if r.ready),
+                *(j.agent_info() for j in self.joints.current.values())]
 
     def peer_up(self, peer: Peer) -> None:
         self.sender.peer_up(peer)
         self.receiver.peer_up(peer)
 
     def agents_announced(self, peer: Peer, agents: list[pp.AgentInfo]) -> None:
-        self._load_agents(peer, agents, [r for r in self.ranks.all() if r.ready])
+        self._load_agents(peer, agents, [*(r for r in self.ranks.all() if r.ready), *self.joints.all()])
         self.sender.agents_known(peer, {a.agent_name for a in agents})
 
     def _load_agents(self, peer: Peer, agents: list[pp.AgentInfo], ranks: list[Rank]) -> None:
         # A rank loads only the peer's agents it pairs with: rank r with the peer's rank r
-        # at equal TP; with P TP = k x D TP, D rank j with P ranks jk..jk+k-1 (``state/tp``).
+        # at equal TP; with P TP = k x D TP, D rank j with P ranks jk..jk+k-1; with D TP
+        # above P's, P rank i with D's joint agent i, which stands at P's TP (``state/tp``).
         for rank in ranks:
+            joint = isinstance(rank, Joint)
             for info in agents:
-                if tp.pairs(rank.number, rank.tp_size, info.rank, info.tp_size):
+                if joint and info.tp_size != rank.tp_size:
+                    continue
+                if tp.pairs(rank.number, rank.tp_size, info.rank, info.tp_size) and tp.direct(
+                        rank.role, rank.tp_size, info.tp_size, info.members):
                     rank.remotes.load(info)
 
     def peer_down(self, peer: Peer) -> None:
         self.receiver.peer_down(peer)
         busy = self.sender.peer_down(peer)
-        for rank in self.ranks.all():
+        for rank in [*self.ranks.all(), *self.joints.all()]:
             for name in set(peer.agents) - busy:
                 rank.remotes.unload(name)  # the busy ones once their WRITEs settle (progress)
 
     def peer_gone(self, peer: Peer) -> None:
         self.receiver.peer_gone(peer)
 
+    def _d_ranks(self, number: int) -> list[Rank]:
+        """D's ranks a message from P about D rank ``number`` may be for: the ranks of
+        that number and the joint agents of that number (each has its own requests)."""
+        return [*self.ranks.numbered(number), *self.joints.numbered(number)]
+
     def push_failed(self, peer: Peer, msg: pp.PushFailed) -> None:
-        self.receiver.push_failed(peer, msg, self.ranks.numbered(msg.rank))
+        self.receiver.push_failed(peer, msg, self._d_ranks(msg.rank))
 
     def cancel_push(self, peer: Peer, msg: pp.CancelPush) -> None:
         self.sender.cancel_push(peer, msg, self.ranks.numbered(pp.source_rank(msg)))  # P's rank it names
 
     def push_cancelled(self, peer: Peer, msg: pp.PushCancelled) -> None:
-        self.receiver.push_cancelled(peer, msg, self.ranks.numbered(msg.rank))
+        self.receiver.push_cancelled(peer, msg, self._d_ranks(msg.rank))
 
     def write_started(self, peer: Peer, msg: pp.WriteStarted) -> None:
-        self.receiver.write_started(peer, msg, self.ranks.numbered(msg.rank))
+        self.receiver.write_started(peer, msg, self._d_ranks(msg.rank))
 
     # ================================================================ progress
 
@@ -280,13 +312,17 @@ class PushService:
         for rank in ranks:
             self.drain_notifs(rank)
             self.sender.poll(rank)
+        joints = self.joints.all()
+        for joint in joints:
+            self.drain_notifs(joint)
+        ranks = [*ranks, *joints]
         self.receiver.poll()
         for rank in ranks:
             busy = self.sender.writes_to(rank)
             for name in rank.remotes.names():
                 if name not in busy and self.peers.find_agent(name) is None:
                     rank.remotes.unload(name)
-        if self.ranks.retiring:
+        if self.ranks.retiring or self.joints.retiring:
             self._close_settled()
         if now >= self._next_expiry:
             self._next_expiry = now + _EXPIRY_PERIOD_S
@@ -296,7 +332,8 @@ class PushService:
         hot_max = self.config.poll_hot_max_s
         if any(self.sender.hot(r, now, hot_max) or self.receiver.hot(r, now, hot_max) for r in ranks):
             return Pace.HOT
-        if self.ranks.retiring or any(self.sender.busy(r) or self.receiver.busy(r) for r in ranks):
+        if self.ranks.retiring or self.joints.retiring or any(self.sender.busy(r) or self.receiver.busy(r)
+                                                               for r in ranks):
             return Pace.BUSY
         return Pace.IDLE
 
@@ -308,7 +345,9 @@ class PushService:
             return
         for sender, payloads in batches.items():
             for payload in payloads:
-                if notif.is_push_reg(payload):
+                if isinstance(rank, Joint) and notif.is_push_reg(payload):  # nobody registers with D
+                    self.metrics.malformed.labels("notification", "push_reg_to_joint").inc()
+                elif notif.is_push_reg(payload):
                     self.sender.on_push_reg(rank, sender, payload)
                 else:
                     self.receiver.on_completion(rank, sender, payload)
@@ -318,14 +357,14 @@ class PushService:
     def nixl_handles(self) -> dict[str, int]:
         """Live NIXL handles over every agent, retiring ones included."""
         totals = {"registrations": 0, "dlists": 0, "xfers": 0, "remote_agents": 0}
-        for rank in self.ranks.all():
+        for rank in [*self.ranks.all(), *self.joints.all()]:
             for kind, n in rank.agent.handles().items():
                 totals[kind] = totals.get(kind, 0) + n
         return totals
 
     def table_sizes(self) -> dict[str, int]:
         totals = dict.fromkeys(_TABLES, 0)
-        for rank in self.ranks.all():
+        for rank in [*self.ranks.all(), *self.joints.all()]:
             for k, v in {**self.sender.sizes(rank), **self.receiver.sizes(rank)}.items():
                 totals[k] += v
         return totals
@@ -345,6 +384,12 @@ class PushService:
             self.sender.refuse_registrations(rank, "P daemon shutting down")
         await self.peers.close()
         await self._tasks.cancel()
+        for joint in self.joints.all():  # the members' events go to their workers, still attached
+            joint.agent.close()
+            self.receiver.abandon(joint, "daemon shutting down")
+            self.receiver.forget(joint)
+            self.joints.close(joint)
+        self.joints.current.clear()
         for rank in self.ranks.all():
             rank.agent.close()  # from here on nothing can land in, or leave, its memory
             # ... so what is still tracked can be reported ended, not left to the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import structlog
 
 from pushsvc.engine.base import Agent, DListHandle, XferHandle, XferState
@@ -48,11 +49,19 @@ class PushPlan:
 
 
 def plan_push(memory: RankMemory, remote: Layout, match: Match, target: pp.AgentInfo, peer_minor: int,
-              part_bytes: int, verify: bool, slot_ids: list[list[int]] | None = None) -> PushPlan:
+              part_bytes: int, verify: bool, slot_ids: list[list[int]] | None = None,
+              source: tuple[Layout, np.ndarray, DListHandle] | None = None) -> PushPlan:
     """What ``match`` WRITEs into ``target``: from the worker's blocks, or with ``slot_ids``
-    from the staging slots its blocks were copied into. LayoutError if it cannot."""
+    from the staging slots its blocks were copied into; into a joint agent, from
+    ``source`` (``RankMemory.joint_source``). LayoutError if it cannot."""
     staging = memory.staging if slot_ids is not None else None
-    if staging is not None:
+    if target.members > 1:  # a joint agent of D ranks: P's head slices, member by member
+        if staging is not None:
+            raise LayoutError("a D TP above P's reads the worker's blocks in head slices, "
+                              "not P's staging buffer (staging_mib)")
+        assert source is not None
+        (layout, descs, local), src_ids = source, match.block_ids
+    elif staging is not None:
         layout, descs, local, src_ids = staging.layout, staging.descs, staging.dlist, slot_ids
     elif memory.dlist is not None:
         layout, descs, local, src_ids = memory.layout, memory.descs, memory.dlist, match.block_ids

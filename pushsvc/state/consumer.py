@@ -18,8 +18,9 @@ wait at once.
 
 **Sources.** The P ranks that write into this rank (one at equal TP, k with P TP = k x
 D TP, ``state/tp.py``; for replicated KV, MLA's, only the first of those) are the entry's
-*sources*, each by its agent, named by ``mark_sent`` as the PUSH_REGs go out. A source is *open* while it may still write: its completion (counted once, and
-only from that agent), its ``PushCancelled`` or its ``PushFailed`` closes it. The entry
+*sources*, each by its agent, named by ``mark_sent`` as the PUSH_REGs go out. A source
+is *open* while it may still write: its completion (counted once, and only from that
+agent), its ``PushCancelled`` or its ``PushFailed`` closes it. The entry
 ends only once no source is open: done if every source landed, else failed. A
 ``PushFailed`` from one source withdraws the entry from the others (CANCELLING), never
 frees blocks another source may still be writing into. In verify mode each source's

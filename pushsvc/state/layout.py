@@ -73,12 +73,13 @@ class Layout:
         return sum(r.block_len for r in self.regions) * self.blocks_per_logical
 
 
-def head_slice(layout: Layout, parts: int, index: int) -> Layout:
+def head_slice(layout: Layout, parts: int, index: int, between: str = "P ranks") -> Layout:
     """Slice ``index`` of ``parts`` of every block: the KV heads ``index*h/parts`` up to
     ``(index+1)*h/parts`` of a head-major block of ``h`` heads, a contiguous byte range.
     It is what one of ``parts`` P ranks (P TP = parts x D TP) holds of a D rank's block.
     A region whose blocks are not head-major, or whose heads do not split evenly, cannot
-    be sliced: a head-interleaved block (NHD) would need a descriptor per token."""
+    be sliced: a head-interleaved block (NHD) would need a descriptor per token. ``between``
+    names who the parts are for, in the error."""
     if parts == 1:
         return layout
     if not 0 <= index < parts:
@@ -86,10 +87,10 @@ def head_slice(layout: Layout, parts: int, index: int) -> Layout:
     out = []
     for i, r in enumerate(layout.regions):
         if r.heads <= 1:
-            raise LayoutError(f"region {i}: blocks are not head-major, they cannot be split between {parts} P ranks")
+            raise LayoutError(f"region {i}: blocks are not head-major, they cannot be split between {parts} {between}")
         if r.heads % parts or r.block_len % r.heads:
             raise LayoutError(f"region {i}: {r.heads} KV heads of a {r.block_len}-byte block do not split "
-                              f"between {parts} P ranks")
+                              f"between {parts} {between}")
         length = r.block_len // parts
         out.append(RegionSpec(r.base + index * length, length, r.num_blocks, r.stride, r.group, r.heads // parts))
     return Layout(tuple(out), layout.blocks_per_logical)
@@ -105,6 +106,28 @@ def source_view(layout: Layout, parts: int, index: int) -> Layout:
                               f"not by the one of slice {index}")
         return layout
     return head_slice(layout, parts, index)
+
+
+def joint_source(layout: Layout, members: int) -> Layout:
+    """What a P rank writes of its own blocks into a D joint agent of ``members`` D ranks
+    (D TP = members x P TP, ``state/tp.py``), whose regions are each member's in turn:
+    head slice ``j`` of every region for member ``j``, the members one after the other;
+    replicated KV (MLA) whole to every member."""
+    if members == 1:
+        return layout
+    if replicated(layout):
+        return Layout(layout.regions * members, layout.blocks_per_logical)
+    sliced = [head_slice(layout, members, j, "D ranks").regions for j in range(members)]
+    return Layout(tuple(r for regions in sliced for r in regions), layout.blocks_per_logical)
+
+
+def joined(layouts: list[Layout]) -> Layout:
+    """The layout of a joint agent: the members' regions, member after member (every
+    member's blocks count the same: vLLM's one scheduler gives them the same ids)."""
+    per = {m.blocks_per_logical for m in layouts}
+    if len(per) != 1:
+        raise LayoutError(f"members' kernel blocks per logical block differ: {sorted(per)}")
+    return Layout(tuple(r for m in layouts for r in m.regions), per.pop())
 
 
 def replicated(layout: Layout) -> bool:

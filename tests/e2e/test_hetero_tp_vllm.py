@@ -1,18 +1,25 @@
-"""End to end with P TP 2 -> D TP 1 on vLLM CPU, for two models:
+"""End to end with heterogeneous TP on vLLM CPU, both ways, for two models:
 
-* ``gqa``: the tiny Llama; each of P's two ranks holds two of its four KV heads, D's one
-  rank all four, in vLLM CPU's head-major blocks (``[blocks, heads, block_size,
-  2*head]``). Each P rank's daemon agent WRITEs its blocks into its head slice of D's
-  blocks; D's request finishes only when both landed.
-* ``mla``: a tiny DeepSeek-V2 (vLLM CPU's ``CPU_MLA``): every rank holds the whole latent
-  row, so P rank 0 writes it and P rank 1 only frees its blocks (a release).
+* P TP 2 -> D TP 1, ``gqa``: the tiny Llama; each of P's two ranks holds two of its four
+  KV heads, D's one rank all four, in vLLM CPU's head-major blocks (``[blocks, heads,
+  block_size, 2*head]``). Each P rank's daemon agent WRITEs its blocks into its head
+  slice of D's blocks; D's request finishes only when both landed.
+* P TP 2 -> D TP 1, ``mla``: a tiny DeepSeek-V2 (vLLM CPU's ``CPU_MLA``): every rank holds
+  the whole latent row, so P rank 0 writes it and P rank 1 only frees its blocks (a
+  release).
+* P TP 1 -> D TP 2, ``gqa``: D's daemon joins its two ranks' KV in one joint NIXL agent;
+  P's one rank WRITEs head slice ``j`` of its blocks into D rank ``j``'s blocks, both in
+  one WRITE, once both D ranks registered the request.
+* P TP 1 -> D TP 2, ``mla``: P's one rank WRITEs its whole latent rows into each D rank,
+  through the joint agent too.
 
 What the tests show: every request is pushed as that says, and every push is
 byte-identical (verify mode: each writing P rank's digests against its part of D's
 blocks); D's outputs equal the outputs of a colocated vLLM of P's TP, except where
-colocated's own two best tokens were within ``NEAR_TIE`` nats: D decodes at TP 1, where
-the row-parallel sums of TP 2 are one GEMM, rounded differently in bf16 (and, for MLA, D
-recomputes the prompt's last token on MLA's decode path, see test_mla_vllm.py).
+colocated's own two best tokens were within ``NEAR_TIE`` nats: D decodes at another TP,
+where the row-parallel sums are split differently, rounded differently in bf16 (and,
+for MLA, D recomputes the prompt's last token on MLA's decode path, see
+test_mla_vllm.py).
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ TP2 = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
 @dataclass
 class HeteroPD:
     kind: str  # "gqa" (split by head) or "mla" (replicated)
+    p_tp: int
+    d_tp: int
     reqs: list[Req]
     refs: dict[str, Outcome]
     prefill_daemon: Proc
@@ -64,9 +73,19 @@ class HeteroPD:
         return self.stack.logs(n)
 
 
-@pytest.fixture(scope="module", params=["gqa", "mla"])
+def _tp(n: int) -> tuple[str, ...]:
+    return TP2 if n == 2 else ()
+
+
+def _cpus(n: int, core: str) -> str:
+    return "0|1" if n == 2 else core
+
+
+@pytest.fixture(scope="module", params=[("gqa", 2, 1), ("mla", 2, 1), ("gqa", 1, 2), ("mla", 1, 2)],
+                ids=["p2-d1-gqa", "p2-d1-mla", "p1-d2-gqa", "p1-d2-mla"])
 def hetero(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> Iterator[HeteroPD]:
-    if request.param == "mla":
+    kind, p_tp, d_tp = request.param
+    if kind == "mla":
         from transformers import AutoTokenizer
 
         model_path = ensure_tiny_model("/tmp/pushsvc-e2e-dsv2", family="deepseek_v2", layers=4, hidden=256, heads=4)
@@ -74,26 +93,31 @@ def hetero(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> I
     reqs = [completion(f"tp-{n}", model_path, text_with_tokens(tokenizer, n, seed=7000 + i)).with_body(
         logprobs=5, return_tokens_as_token_ids=True) for i, n in enumerate(PROMPT_LENGTHS)]
     with kept_on_failure(request) as workdir, E2EStack(workdir, progress=print, vllm_log_level="INFO") as st:
-        colocated = st.vllm("vllm-colocated-tp2", model_path, cpus="0|1", extra=TP2)
+        colocated = st.vllm(f"vllm-colocated-tp{p_tp}", model_path, cpus=_cpus(p_tp, "0"), extra=_tp(p_tp))
         refs = generate_all(colocated.url, reqs, concurrency=8)
         bad = {r.name: str(refs[r.name]) for r in reqs if not refs[r.name].ok}
         assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
         st.stop(colocated)
         pdaemon = st.daemon("prefill", "--verify")
         ddaemon = st.daemon("decode", "--verify")
-        prefill = st.vllm("vllm-p-tp2", model_path, kv_transfer_config=connector_config("kv_producer", pdaemon),
-                          cpus="0|1", extra=TP2)
-        decode = st.vllm("vllm-d-tp1", model_path, kv_transfer_config=connector_config("kv_consumer", ddaemon),
-                         cpus="1")
+        prefill = st.vllm(f"vllm-p-tp{p_tp}", model_path, kv_transfer_config=connector_config("kv_producer", pdaemon),
+                          cpus=_cpus(p_tp, "0"), extra=_tp(p_tp))
+        decode = st.vllm(f"vllm-d-tp{d_tp}", model_path, kv_transfer_config=connector_config("kv_consumer", ddaemon),
+                         cpus=_cpus(d_tp, "1"), extra=_tp(d_tp))
         proxy = st.proxy("proxy", prefill=[prefill], prefill_daemons=[pdaemon], decode=[decode])
-        yield HeteroPD(request.param, reqs, refs, pdaemon, ddaemon, proxy, st)
+        yield HeteroPD(kind, p_tp, d_tp, reqs, refs, pdaemon, ddaemon, proxy, st)
 
 
-def test_two_p_ranks_register_against_one_d_rank(hetero: HeteroPD) -> None:
-    p_agents = get_json(f"{hetero.prefill_daemon.url}/v1/info")["agents"]
-    d_agents = get_json(f"{hetero.decode_daemon.url}/v1/info")["agents"]
-    assert sorted((a["rank"], a["tp_size"]) for a in p_agents) == [(0, 2), (1, 2)], p_agents
-    assert [(a["rank"], a["tp_size"]) for a in d_agents] == [(0, 1)], d_agents
+def test_every_rank_registers_and_d_joins_its_ranks_for_a_lower_p_tp(hetero: HeteroPD) -> None:
+    p_info = get_json(f"{hetero.prefill_daemon.url}/v1/info")
+    d_info = get_json(f"{hetero.decode_daemon.url}/v1/info")
+    assert sorted((a["rank"], a["tp_size"]) for a in p_info["agents"]) == [(r, hetero.p_tp) for r in
+                                                                           range(hetero.p_tp)], p_info["agents"]
+    assert sorted((a["rank"], a["tp_size"]) for a in d_info["agents"]) == [(r, hetero.d_tp) for r in
+                                                                           range(hetero.d_tp)], d_info["agents"]
+    # D TP 2 above P's 1: one joint agent over both D ranks, standing as P's rank 0.
+    joints = [(j["rank"], j["tp_size"], j["members"]) for j in d_info["joints"]]
+    assert joints == ([(0, 1, [0, 1])] if hetero.d_tp > hetero.p_tp else []), joints
 
 
 def test_outputs_equal_colocated_and_every_push_is_byte_identical_per_p_rank(hetero: HeteroPD) -> None:
@@ -109,18 +133,21 @@ def test_outputs_equal_colocated_and_every_push_is_byte_identical_per_p_rank(het
                                 for k, v in (verify_results(pd.decode_daemon.url) or {}).items()},
                        lambda d: sum(d.values()) >= len(pd.reqs), SETTLE_S)
     assert checked.get("identical", 0) == len(pd.reqs) == sum(checked.values()), checked
-    # gqa: each request is two WRITEs, one per P rank; mla: one WRITE and one release.
-    writes = 2 * len(pd.reqs) if pd.kind == "gqa" else len(pd.reqs)
+    # P TP 2 -> D TP 1: gqa, each request is two WRITEs, one per P rank; mla, one WRITE and
+    # one release. P TP 1 -> D TP 2: one WRITE through D's joint agent, either model.
+    split = pd.kind == "gqa" and pd.p_tp > pd.d_tp
+    writes = 2 * len(pd.reqs) if split else len(pd.reqs)
     done = wait_for("P's WRITEs", lambda: (metric(scrape(pd.prefill_daemon.url), "pushsvc_transfers_total",
                                                   result="done") or 0.0) - done_before,
                     lambda n: n >= writes, SETTLE_S)
     assert done == writes
+    releases = len(pd.reqs) if pd.kind == "mla" and pd.p_tp > pd.d_tp else 0
     released = wait_for("P's releases", lambda: (metric(scrape(pd.prefill_daemon.url), "pushsvc_transfers_total",
                                                       result="released") or 0.0) - released_before,
-                        lambda n: n >= (len(pd.reqs) if pd.kind == "mla" else 0), SETTLE_S)
-    assert released == (len(pd.reqs) if pd.kind == "mla" else 0), "mla: P rank 1 freed its blocks for each request"
+                        lambda n: n >= releases, SETTLE_S)
+    assert released == releases, "mla at P TP 2: P rank 1 freed its blocks for each request"
     report, not_ties = differences_at_ties(pd.reqs, got, pd.refs, NEAR_TIE)
-    print(f"{len(pd.reqs) - len(report)} of {len(pd.reqs)} outputs equal colocated TP 2; the others:",
+    print(f"{len(pd.reqs) - len(report)} of {len(pd.reqs)} outputs equal colocated TP {pd.p_tp}; the others:",
           *report, sep="\n  ")
     assert not not_ties, f"outputs differ from colocated beyond a near-tie: {not_ties}"
     wait_tables_zero({"prefill": pd.prefill_daemon.url, "decode": pd.decode_daemon.url}, SETTLE_S)

@@ -186,6 +186,56 @@ def test_two_p_ranks_fill_one_d_rank_by_head(spawn: Spawner, staging: bool) -> N
     assert p_daemon.metric("pushsvc_transfers_total", result="done") == 2 * len(plan)
 
 
+def test_one_p_rank_fills_two_d_ranks_by_head_through_a_joint_agent(spawn: Spawner) -> None:
+    """P TP 1 -> D TP 2 on the GPU (two D worker processes on the one device, HND blocks):
+    D's daemon joins both D ranks' imported KV in one NIXL agent, and P's one WRITE per
+    request puts heads 0-3 of its blocks into D rank 0's and heads 4-7 into D rank 1's,
+    straight into their KV (no landing buffer); verify checks both halves at once."""
+    p_daemon = spawn.daemon("prefill", "--verify")
+    d_daemon = spawn.daemon("decode", "--verify", "--landing-mib", "0")
+    p = spawn.worker(p_daemon, "producer", layout="hnd", layers=8, blocks=P_BLOCKS, heads=8, seed=24)
+    ds = [spawn.worker(d_daemon, "consumer", layout="hnd", layers=8, blocks=D_BLOCKS, heads=4, rank=r, tp_size=2,
+                       seed=25 + r) for r in range(2)]
+    joints = d_daemon.live_info()["joints"]
+    assert [(j["rank"], j["tp_size"], j["members"]) for j in joints] == [(0, 1, [0, 1])], joints
+    for d in ds:
+        d.call("snapshot")
+    plan = [("up-0", [5, 9, 2], [7, 1, 30]), ("up-1", list(range(40, 80)), list(range(60, 100))),
+            ("up-2", [11, 12, 13], [3])]  # a prefix hit on D: only P's last block
+    for d in ds:
+        d.call("recv", p_engine=p_daemon.engine_id, p_port=p_daemon.side_port, p_tp=1,
+               requests=[{"rid": rid, "blocks": dd} for rid, _, dd in plan])
+    _send(p, [(rid, pp) for rid, pp, _ in plan])
+    rids = [rid for rid, _, _ in plan]
+    for d in ds:
+        recvd = _wait(d, rids)
+        assert all(v["side"] == "recv" and not v["errors"] for v in recvd.values()), recvd
+    _wait(p, rids)
+    mapped_p = [b for _, pp, dd in plan for b in pp[len(pp) - len(dd):]]
+    mapped_d = [b for _, _, dd in plan for b in dd]
+    for r, d in enumerate(ds):
+        assert d.call("digests", blocks=mapped_d)["digests"] == \
+            p.call("digests", blocks=mapped_p, heads=[4 * r, 4 * r + 4])["digests"], f"D rank {r}'s heads"
+        assert sorted(d.call("changed")["blocks"]) == sorted(mapped_d)
+    assert d_daemon.metric("pushsvc_verify_total", result="identical") == len(plan)
+    assert p_daemon.metric("pushsvc_transfers_total", result="done") == len(plan), "one WRITE per request"
+
+
+def test_a_d_tp_above_ps_into_landing_buffers_is_refused_naming_it(spawn: Spawner) -> None:
+    p_daemon = spawn.daemon("prefill")
+    d_daemon = spawn.daemon("decode", "--landing-mib", "256")
+    ds = [spawn.worker(d_daemon, "consumer", layout="hnd", layers=4, blocks=D_BLOCKS, heads=4, rank=r, tp_size=2,
+                       seed=27 + r) for r in range(2)]
+    assert d_daemon.live_info()["joints"] == []
+    for d in ds:
+        d.call("recv", p_engine=p_daemon.engine_id, p_port=p_daemon.side_port, p_tp=1,
+               requests=[{"rid": "up-landing", "blocks": [1, 2]}])
+    for d in ds:
+        out = _wait(d, ["up-landing"])["up-landing"]
+        assert out["errors"] == [1, 2], out  # the blocks come back as failed loads
+    assert "P TP 1 -> D TP 2: D's KV lands in GPU landing buffers" in d_daemon.log()
+
+
 def test_heterogeneous_tp_into_a_landing_buffer_is_refused_naming_it(spawn: Spawner) -> None:
     p_daemon = spawn.daemon("prefill")
     d_daemon = spawn.daemon("decode", "--landing-mib", "256")

@@ -215,7 +215,8 @@ def test_equal_tp_two_ranks_pair_rank_by_rank(spawn):
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp", "heads", "words"), [
-    (1, 2, HEADS, "a D TP above P's is not supported"),
+    (1, 2, HEADS, "D ranks [0, 1] have not all registered KV"),  # only rank 0 here: no joint agent
+    (2, 3, HEADS, "D TP must be a multiple of P TP"),
     (3, 2, HEADS, "P TP must be a multiple of D TP"),
     (2, 1, 0, "not head-major"),
     (4, 1, 2, "do not split between 4 P ranks"),

@@ -1,9 +1,12 @@
-"""P TP = k x D TP, the pure parts: which ranks pair (state/tp.py), the head slice of a
+"""Heterogeneous TP, the pure parts: which ranks pair (state/tp.py), the head slice of a
 block (layout.head_slice), what the connector says of vLLM's KV tensors (head-major or
-not, KV heads per layer) and what P checks of a D agent and its PUSH_REG (remotes.py)."""
+not, KV heads per layer), what P checks of a D agent and its PUSH_REG (remotes.py), and,
+for D TP = k x P TP, what one WRITE into a joint agent of D's ranks carries
+(layout.joint_source, layout.joined) and who hears of a joint agent."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -22,7 +25,18 @@ from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.server.remotes import registration_error, view_of
 from pushsvc.state import tp
-from pushsvc.state.layout import Layout, RegionSpec, descriptor_table, head_slice, plan_write, replicated, source_view
+from pushsvc.state.layout import (
+    Layout,
+    RegionSpec,
+    check_compatible,
+    descriptor_table,
+    head_slice,
+    joined,
+    joint_source,
+    plan_write,
+    replicated,
+    source_view,
+)
 from pushsvc_connector.connector import kv_heads, replicated_layers
 from pushsvc_connector.kvlayout import head_major, regions_of
 
@@ -44,8 +58,8 @@ def test_every_p_rank_writes_into_exactly_one_d_rank_and_each_d_rank_hears_from_
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp", "words"), [
-    (1, 2, "a D TP above P's is not supported"),
-    (2, 4, "a D TP above P's is not supported"),
+    (1, 2, "a D TP above P's is served by D's joint agents"),
+    (2, 4, "a D TP above P's is served by D's joint agents"),
     (3, 2, "P TP must be a multiple of D TP"),
     (6, 4, "P TP must be a multiple of D TP"),
 ])
@@ -53,6 +67,29 @@ def test_unsupported_tp_pairs_are_named(p_tp: int, d_tp: int, words: str) -> Non
     why = tp.refusal(p_tp, d_tp)
     assert why.startswith(f"P TP {p_tp} -> D TP {d_tp}: ") and words in why
     assert not tp.pairs(0, p_tp, 0, d_tp) or p_tp < d_tp  # a refused pair with P above D pairs nothing
+
+
+@given(p_tp=st.integers(1, 8), k=st.integers(2, 8))
+def test_each_p_rank_writes_into_one_joint_whose_members_partition_d_ranks(p_tp: int, k: int) -> None:
+    d_tp = p_tp * k
+    assert tp.joint_refusal(p_tp, d_tp) == "" and p_tp in tp.joint_sizes(d_tp)
+    covered = [r for i in range(p_tp) for r in tp.members(i, d_tp, p_tp)]
+    assert covered == list(range(d_tp)), "the joints' members partition D's ranks, in order"
+    for r in range(d_tp):
+        joint, index = tp.joint_of(r, d_tp, p_tp)
+        assert tp.members(joint, d_tp, p_tp)[index] == r
+    # A P rank loads D's joint agent of its own TP, never D's ranks of a higher TP; D's
+    # ranks never load P's agents of a lower TP (their joint does).
+    assert tp.direct("producer", p_tp, p_tp, remote_members=k)
+    assert not tp.direct("producer", p_tp, d_tp) and not tp.direct("consumer", d_tp, p_tp)
+    assert not tp.direct("consumer", p_tp, p_tp, remote_members=k)
+    assert not tp.direct("producer", p_tp * 2, p_tp, remote_members=k), "a joint pairs at its own TP only"
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 3), (3, 4), (2, 6 + 1)])
+def test_a_d_tp_that_p_tp_does_not_divide_is_named(p_tp: int, d_tp: int) -> None:
+    assert tp.joint_refusal(p_tp, d_tp) == f"P TP {p_tp} -> D TP {d_tp}: D TP must be a multiple of P TP"
+    assert p_tp not in tp.joint_sizes(d_tp)
 
 
 # ---------------------------------------------------------------- head slices
@@ -230,3 +267,82 @@ def test_source_view_is_the_one_rule_of_what_a_p_rank_writes_of_a_d_block() -> N
     assert source_view(latent, 1, 0) is latent and source_view(latent, 4, 0) is latent
     with pytest.raises(LayoutError, match="first of 4 P ranks only"):
         source_view(latent, 4, 3)
+
+
+# ---------------------------------------------------------------- D TP above P's: joint agents
+
+
+def _memory(layout: Layout, size: int, seed: int) -> np.ndarray:
+    """The bytes of an address space ``size`` long that ``layout``'s bases point into."""
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _apply(plan, src_table: np.ndarray, src: np.ndarray, dst_table: np.ndarray, dst: np.ndarray) -> None:
+    """Carry out ``plan`` the way NIXL would: descriptor i of P's list into descriptor j of D's."""
+    for s, d in zip(plan.src_indices, plan.dst_indices):
+        s_addr, s_len, _ = (int(x) for x in src_table[s])
+        d_addr, d_len, _ = (int(x) for x in dst_table[d])
+        assert s_len == d_len
+        dst[d_addr:d_addr + d_len] = src[s_addr:s_addr + s_len]
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_one_write_into_a_joint_puts_head_slice_j_of_ps_blocks_into_member_j(k: int) -> None:
+    heads, block_len, blocks = 8, 256, 6
+    p = Layout(tuple(RegionSpec(base, block_len, blocks, block_len, 0, heads) for base in (0, 4096)))
+    # D's members: each holds heads/k of every block, regions at its own place in the one
+    # address space the daemon maps them in.
+    members = [Layout(tuple(RegionSpec(8192 + m * 4096 + r * 2048, block_len // k, blocks, block_len // k, 0,
+                                       heads // k) for r in range(2))) for m in range(k)]
+    joint = joined(members)
+    source = joint_source(p, k)
+    assert len(source.regions) == len(joint.regions) == 2 * k
+    mem = _memory(p, 8192 + k * 4096, seed=k)
+    before = mem.copy()
+    p_blocks, d_blocks = [[4, 1, 5]], [[0, 3, 2]]
+    plan = plan_write(source, joint, p_blocks, d_blocks)
+    _apply(plan, descriptor_table(source), mem, descriptor_table(joint), mem)
+    part = block_len // k
+    for m, layout in enumerate(members):
+        for r, region in enumerate(layout.regions):
+            for pb, db in zip(p_blocks[0], d_blocks[0]):
+                got = mem[region.base + db * part:region.base + (db + 1) * part]
+                want = before[p.regions[r].base + pb * block_len + m * part:
+                              p.regions[r].base + pb * block_len + (m + 1) * part]
+                assert np.array_equal(got, want), f"member {m}, region {r}, D block {db}"
+            untouched = [b for b in range(blocks) if b not in d_blocks[0]]
+            for b in untouched:
+                span = slice(region.base + b * part, region.base + (b + 1) * part)
+                assert np.array_equal(mem[span], before[span]), "a block D did not register was written"
+    assert plan.nbytes == len(p_blocks[0]) * 2 * block_len, "P's whole blocks, once"
+
+
+def test_replicated_kv_goes_whole_into_every_member_of_a_joint() -> None:
+    p = Layout((RegionSpec(0x1000, 576, 4, 576, 0, 0, True),))
+    members = [Layout((RegionSpec(0x9000 + m * 0x1000, 576, 4, 576, 0, 0, True),)) for m in range(2)]
+    source = joint_source(p, 2)
+    assert source.regions == p.regions * 2
+    check_compatible(source, joined(members))
+
+
+def test_p_blocks_that_do_not_split_by_d_tp_are_refused_naming_d_ranks() -> None:
+    with pytest.raises(LayoutError, match="not head-major, they cannot be split between 2 D ranks"):
+        joint_source(_layout(heads=0), 2)
+    with pytest.raises(LayoutError, match="do not split between 4 D ranks"):
+        joint_source(_layout(heads=2), 4)
+    assert joint_source(_layout(), 1) == _layout()
+
+
+def test_members_whose_kernel_blocks_differ_are_not_joined() -> None:
+    a, b = Layout(_layout().regions, 1), Layout(_layout().regions, 2)
+    with pytest.raises(LayoutError, match="kernel blocks per logical block differ"):
+        joined([a, b])
+
+
+def test_joint_agents_reach_only_peers_that_know_them() -> None:
+    plain = pp.AgentInfo(rank=0, tp_size=2, agent_name="d/r0/x.1", metadata=b"m", regions=[])
+    joint = pp.AgentInfo(rank=0, tp_size=1, agent_name="d/j0of1/x.2", metadata=b"m", regions=[], members=2)
+    assert pp.announceable([plain, joint], pp.JOINT_MINOR) == [plain, joint]
+    assert pp.announceable([plain, joint], pp.JOINT_MINOR - 1) == [plain]
+    assert b"members" not in msgspec.msgpack.encode(plain), "an agent of one rank encodes as 1.5 did"
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(joint), type=pp.AgentInfo) == joint
