@@ -192,7 +192,8 @@ class PushService:
             if rank.conn is not None:
                 rank.conn.send(wp.Pong(token=msg.token))
         elif isinstance(msg, wp.Reported):
-            self.timelines.reported(rank, msg)
+            for r in [rank, *self.joints.containing(rank)]:  # a joint's requests are its members' too
+                self.timelines.reported(r, msg)
             return  # nothing changed that the loop must act on
         else:
             raise ProtocolError(f"unexpected {type(msg).__name__}")
