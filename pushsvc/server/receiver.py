@@ -86,8 +86,9 @@ class Receiver:
         self._metrics = metrics
         self._wake = wake
         self._tables: dict[Rank, ConsumerTable] = {}
-        # Verify mode: each source's descriptors of a rank's blocks, with the memory they describe.
-        self._views: dict[tuple[Rank, int, int], tuple[object, np.ndarray]] = {}
+        # Verify mode: each source's descriptors of a rank's blocks (a rank's memory is
+        # registered once; ``forget`` drops them with the rank).
+        self._views: dict[tuple[Rank, int, int], np.ndarray] = {}
         self.landing = Landing(metrics=metrics, now=self._now, granted=self._granted)
         self._registrar = Registrar(
             identity=Identity(settings.engine_id, settings.daemon_id, settings.advertised_host), peers=peers,
@@ -507,11 +508,11 @@ class Receiver:
         memory = rank.memory
         assert memory is not None
         kept = self._views.get((rank, parts, index))
-        if kept is None or kept[0] is not memory:
+        if kept is None:
             view = source_view(memory.layout, parts, index)
-            kept = self._views[(rank, parts, index)] = (memory, memory.descs if view is memory.layout
-                                                          else descriptor_table(view))
-        return kept[1]
+            kept = self._views[(rank, parts, index)] = (memory.descs if view is memory.layout
+                                                        else descriptor_table(view))
+        return kept
 
     def _fail(self, rank: Rank, rid: str, kind: str, reason: str) -> None:
         entry = self._of(rank).fail(rid)

@@ -102,15 +102,11 @@ class Registrar:
             # What is still missing is named by _push_reg.
         return peer
 
-    @staticmethod
-    def _unannounced(rank: Rank, entry: PendingRecv, peer: Peer) -> list[int]:
+    def _unannounced(self, rank: Rank, entry: PendingRecv, peer: Peer) -> list[int]:
         """The ranks of P that write into ``rank`` for ``entry`` and ``peer`` has not
         announced (at P's TP); none where the TPs do not pair (``_push_reg`` says why)."""
-        p_tp = entry.remote.tp_size
-        if tp.refusal(p_tp, rank.tp_size):
-            return []
-        ranks = tp.sources(rank.number, rank.tp_size, p_tp)
-        return [r for r in ranks if (a := peer.agent_for_rank(r)) is None or a.tp_size != p_tp]
+        ranks = _sources(rank, entry)
+        return _missing(ranks, entry.remote.tp_size, peer) if ranks is not None else []
 
     def _send(self, rank: Rank, entry: PendingRecv, peer: Peer) -> None:
         sent: dict[str, int] = {}
@@ -133,17 +129,16 @@ class Registrar:
         """Send ``entry``'s PUSH_REG to each of ``peer``'s agents that write into this
         rank; ``sent`` collects them (agent -> P rank) as they go out."""
         p_tp = entry.remote.tp_size
-        why = tp.refusal(p_tp, rank.tp_size)
-        if why:
-            raise HandshakeError(why)
-        ranks = tp.sources(rank.number, rank.tp_size, p_tp)
+        ranks = _sources(rank, entry)
+        if ranks is None:
+            raise HandshakeError(tp.refusal(p_tp, rank.tp_size))
         if isinstance(rank, Joint) and peer.minor < pp.JOINT_MINOR:
             raise HandshakeError(f"P daemon {peer.engine_id} speaks side channel 1.{peer.minor}; P TP {p_tp} -> "
                                  f"D TP {rank.members[0].tp_size} needs 1.{pp.JOINT_MINOR}")
         if len(ranks) > 1 and peer.minor < pp.HETERO_TP_MINOR:
             raise HandshakeError(f"P daemon {peer.engine_id} speaks side channel 1.{peer.minor}; P TP {p_tp} -> "
                                  f"D TP {rank.tp_size} needs 1.{pp.HETERO_TP_MINOR}")
-        missing = self._unannounced(rank, entry, peer)
+        missing = _missing(ranks, p_tp, peer)
         if missing:
             raise HandshakeError(f"peer {peer.engine_id} has no rank {missing[0]} of TP {p_tp}")
         targets = [peer.agent_for_rank(r) for r in ranks]
@@ -178,3 +173,15 @@ class Registrar:
             rank.agent.send_notif(target.agent_name, payload if target in writers else release)
             if sent is not None and target in writers:
                 sent[target.agent_name] = target.rank
+
+
+def _sources(rank: Rank, entry: PendingRecv) -> range | None:
+    """The ranks of P that write into ``rank`` for ``entry``, or None where the TPs do
+    not pair (``tp.refusal`` says why)."""
+    p_tp = entry.remote.tp_size
+    return None if tp.refusal(p_tp, rank.tp_size) else tp.sources(rank.number, rank.tp_size, p_tp)
+
+
+def _missing(ranks: range, p_tp: int, peer: Peer) -> list[int]:
+    """Those of ``ranks`` that ``peer`` has not announced an agent of TP ``p_tp`` for."""
+    return [r for r in ranks if (a := peer.agent_for_rank(r)) is None or a.tp_size != p_tp]
