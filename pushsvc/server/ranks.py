@@ -24,7 +24,7 @@ from pushsvc.protocol import worker as wp
 from pushsvc.server.remotes import RemoteAgents
 from pushsvc.state.landing import LandingGeometry
 from pushsvc.errors import LayoutError
-from pushsvc.state.layout import Layout, RegionSpec, descriptor_table, joint_source
+from pushsvc.state.layout import MAX_DESCRIPTORS, Layout, RegionSpec, descriptor_table, joint_source
 
 
 class WorkerLink(Protocol):
@@ -87,14 +87,27 @@ class RankMemory:
     # layout, descriptors, prepared list), built on the first such WRITE (``joint_source``).
     joint_sources: dict[int, tuple[Layout, np.ndarray, DListHandle]] = field(default_factory=dict)
 
+    def joint_view(self, members: int) -> Layout:
+        """The worker's blocks as a WRITE into a joint agent of ``members`` D ranks reads
+        them (``layout.joint_source``): LayoutError where the blocks do not split, or
+        where it would take more descriptors than one agent may describe (a peer names
+        ``members``)."""
+        kept = self.joint_sources.get(members)
+        if kept is not None:
+            return kept[0]
+        if self.dlist is None:
+            raise LayoutError("this rank's KV memory was registered to receive only")
+        layout = joint_source(self.layout, members)
+        if layout.total_descriptors > MAX_DESCRIPTORS:
+            raise LayoutError(f"a joint agent of {members} D ranks takes {layout.total_descriptors} descriptors "
+                              f"of this rank's blocks, over the limit of {MAX_DESCRIPTORS}")
+        return layout
+
     def joint_source(self, agent: Agent, members: int) -> tuple[Layout, np.ndarray, DListHandle]:
-        """What a WRITE into a joint agent of ``members`` D ranks reads of the worker's
-        blocks (``layout.joint_source``): LayoutError where the blocks do not split."""
+        """``joint_view`` with its descriptors, prepared on ``agent`` once."""
         kept = self.joint_sources.get(members)
         if kept is None:
-            if self.dlist is None:
-                raise LayoutError("this rank's KV memory was registered to receive only")
-            layout = joint_source(self.layout, members)
+            layout = self.joint_view(members)
             descs = descriptor_table(layout, self.device.ordinal if self.device is not None else 0)
             kept = self.joint_sources[members] = (layout, descs, agent.prep_local(descs, self.mem_type))
         return kept

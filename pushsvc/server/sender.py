@@ -311,9 +311,10 @@ class Sender:
             return
         s = self._settings
         try:
-            source = memory.joint_source(rank.agent, target.members) if target.members > 1 else None
-            push = plan_push(memory, rank.remotes.layout(target, source[0] if source else memory.layout), match,
-                             target, peer.minor, s.part_bytes, s.verify, slot_ids, source)
+            joint = target.members > 1  # a joint agent of D's ranks: P's head slices, member by member
+            remote = rank.remotes.layout(target, memory.joint_view(target.members) if joint else memory.layout)
+            source = memory.joint_source(rank.agent, target.members) if joint else None  # once it fits D's
+            push = plan_push(memory, remote, match, target, peer.minor, s.part_bytes, s.verify, slot_ids, source)
         except LayoutError as exc:
             self.staging.release(rank, staged)
             self._fail_push(rank, match, peer, "layout_mismatch", str(exc))

@@ -23,9 +23,11 @@ from vllm.v1.kv_cache_interface import (
 from pushsvc.errors import LayoutError
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
+from pushsvc.server.ranks import RankMemory
 from pushsvc.server.remotes import registration_error, view_of
 from pushsvc.state import tp
 from pushsvc.state.layout import (
+    MAX_DESCRIPTORS,
     Layout,
     RegionSpec,
     check_compatible,
@@ -346,3 +348,21 @@ def test_joint_agents_reach_only_peers_that_know_them() -> None:
     assert pp.announceable([plain, joint], pp.JOINT_MINOR - 1) == [plain]
     assert b"members" not in msgspec.msgpack.encode(plain), "an agent of one rank encodes as 1.5 did"
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(joint), type=pp.AgentInfo) == joint
+
+
+def test_a_joint_of_more_members_than_ps_descriptors_allow_is_refused_before_anything_is_built() -> None:
+    """A peer names ``members``: a joint of 1024 D ranks over P's replicated rows would
+    describe every P block 1024 times. P refuses it (the push fails layout_mismatch)
+    without building the descriptors or preparing a list."""
+    blocks = MAX_DESCRIPTORS // 512 + 1
+    layout = Layout((RegionSpec(0x1000, 576, blocks, 576, 0, 0, True),))
+
+    class NoAgent:
+        def prep_local(self, *_a: object) -> None:
+            raise AssertionError("nothing may be prepared")
+
+    memory = RankMemory(buffers=[], regions=[], layout=layout, descs=np.empty((0, 3), dtype=np.uint64), dlist=object())
+    with pytest.raises(LayoutError, match="over the limit"):
+        memory.joint_source(NoAgent(), 1024)  # type: ignore[arg-type]
+    assert memory.joint_sources == {}
+    assert memory.joint_view(2).total_descriptors == 2 * blocks
