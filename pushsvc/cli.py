@@ -319,6 +319,11 @@ def format_status(info: dict[str, Any], ready: dict[str, Any]) -> str:
         (f"{a['rank']}/{a['tp_size']}", a["role"], a["agent"], _yes(a["registered"]), _yes(a["worker_connected"]),
          a.get("mem_type") or "-", a.get("landing_slots", 0))
         for a in info["agents"]], empty="no ranks: no worker has said hello")
+    if info.get("joints"):  # D TP above a P's: one joint agent per P rank
+        lines.append("")
+        lines += _table(("joint", "agent", "members", "gathering"), [
+            (f"{j['rank']}/{j['tp_size']}", j["agent"], ",".join(map(str, j["members"])), j["gathering"])
+            for j in info["joints"]])
     lines.append("")
     lines += _table(("peer", "daemon", "address", "authenticated", "agents"), [
         (p["engine_id"], p["daemon_id"][:8], f"{p['host']}:{p['port']}", _yes(p.get("authenticated")),

@@ -12,6 +12,8 @@ handed back while P may still write into it.
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -79,6 +81,10 @@ def test_one_p_rank_fills_two_d_ranks_by_head_in_one_write_and_verifies(spawn, o
     pw = _p_rank(spawn, P)
     ds = _d_ranks(spawn, D)
     assert [(j["rank"], j["tp_size"], j["members"]) for j in D.live_info()["joints"]] == [(0, 1, [0, 1])]
+    status = subprocess.run([sys.executable, "-m", "pushsvc", "status", "--url", D.url], capture_output=True,
+                            text=True, timeout=30)
+    joint_rows = [line.split() for line in status.stdout.splitlines() if line.startswith("0/1 ")]
+    assert status.returncode == 0 and [(r[2], r[3]) for r in joint_rows] == [("0,1", "0")], status.stdout
     p_blocks, d_blocks = [3, 7, 8, 15], [20, 2, 11, 5]
     rid = "cmpl-joint-0"
     if order == "blocks_first":
