@@ -224,7 +224,7 @@ class Receiver:
             bound.warning("recv_rejected", phase="register", error=reason)
             self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=_flat(msg.local_block_ids), reason=reason))
             if joint is not None and gather is not None:
-                self._ungather(joint, rid, f"{reason} (D rank {rank.number})")
+                self._ungather(joint, rid, "joint_refused", f"{reason} (D rank {rank.number})")
             return
         assert joint is not None
         gather = joint.gathering.setdefault(rid, Gather(self._now()))
@@ -234,13 +234,14 @@ class Receiver:
             bound.debug("recv_joined", joint=joint.number, members=len(joint.members))
             self.on_register_recv(joint, msg, [])
 
-    def _ungather(self, joint: Joint, rid: str, reason: str) -> None:
-        """End ``rid``'s gathering: every member that registered it hears ``reason``."""
+    def _ungather(self, joint: Joint, rid: str, kind: str, reason: str) -> None:
+        """End ``rid``'s gathering: every member that registered it hears ``reason``;
+        counted as a failure of ``kind``."""
         gather = joint.gathering.pop(rid, None)
         if gather is None:
             return
-        self._metrics.failures.labels(reason.split(":", 1)[0]).inc()
-        log.warning("recv_failed", request_id=rid, joint=joint.number, kind="joint", error=reason,
+        self._metrics.failures.labels(kind).inc()
+        log.warning("recv_failed", request_id=rid, joint=joint.number, kind=kind, error=reason,
                     registered=sorted(joint.members[i].number for i in gather.parts))
         for index, msg in gather.parts.items():
             self._outbox.tell(joint.members[index], wp.RecvFailed(
@@ -254,7 +255,7 @@ class Receiver:
         """``joint`` will not be registered with again (a member retired): what it was
         still gathering ends, and its members hear it."""
         for rid in list(joint.gathering):
-            self._ungather(joint, rid, f"{CANCELLED}: D's ranks changed while it was registered")
+            self._ungather(joint, rid, CANCELLED, f"{CANCELLED}: D's ranks changed while it was registered")
 
     def _joints_of(self, ranks: list[Rank]) -> list[Joint]:
         return list(dict.fromkeys(j for r in ranks for j in self._joints.containing(r)))
@@ -287,7 +288,7 @@ class Receiver:
         joints = self._joints_of(ranks)
         for joint in joints:
             if rid in joint.gathering:  # the others' registrations can never be joined now
-                self._ungather(joint, rid, CANCELLED)
+                self._ungather(joint, rid, CANCELLED, CANCELLED)
                 return
         for rank in [*ranks, *joints]:
             table = self._tables.get(rank)
@@ -333,7 +334,7 @@ class Receiver:
             self.evict([rank], rid)
         for joint in self._joints_of([rank]):  # no joint registration can finish without it
             for rid in list(joint.gathering):
-                self._ungather(joint, rid, f"{CANCELLED}: D rank {rank.number}'s worker disconnected")
+                self._ungather(joint, rid, CANCELLED, f"{CANCELLED}: D rank {rank.number}'s worker disconnected")
             for rid in list(self._of(joint).pending):
                 self.evict([joint], rid)
 
@@ -555,8 +556,9 @@ class Receiver:
         watchdog = self._settings.watchdog_s
         for joint in self._joints.all():
             for rid in [r for r, g in joint.gathering.items() if now - g.started_at >= watchdog]:
-                self._ungather(joint, rid, f"watchdog: D ranks {[m.number for m in joint.members]} did not all "
-                                           f"register it within {watchdog}s")
+                members = [m.number for m in joint.members]
+                self._ungather(joint, rid, "watchdog",
+                               f"watchdog: D ranks {members} did not all register it within {watchdog}s")
         live = self._peers.live_daemons()
         for rank, table in list(self._tables.items()):
             for exp in table.expire(now, live):

@@ -194,6 +194,7 @@ def test_d_ranks_that_register_different_blocks_fail_without_a_push(spawn):
         event = d.wait(rid)
         assert event is not None and event["type"] == "RecvFailed", event
         assert "different blocks" in event["reason"], event
+    assert D.metric("pushsvc_failures_total", kind="joint_refused") == 1, "one request, one failure"
     assert P.live_info()["tables"]["p_registrations"] == 0
     assert tables_empty(P, D)
 
