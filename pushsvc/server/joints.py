@@ -20,13 +20,15 @@ in a table like any rank's, and the events of those go to every member's worker
   them the same block ids in the same step); the joint's registration goes out once all
   ``k`` did, with the same blocks and the same P. A member withdrawing it first, members
   that disagree, or a member that never comes within the watchdog ends the gathering,
-  and every member that registered hears it failed.
+  and every member that registered hears it failed; one that registers it later hears
+  it at once (``Joint.ended``), not at its watchdog.
 * **Lifetime.** A joint whose member retired retires too: it is closed once nothing can
   land in it, and the retired member's mapping stays until then (``uses``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,6 +48,7 @@ from pushsvc.state.layout import MAX_DESCRIPTORS, joined
 log = structlog.get_logger("pushsvc.joints")
 
 Tell = Callable[[Rank, wp.DaemonMessage], None]
+MAX_ENDED = 4096  # ended gatherings a joint remembers for the members still to register them
 
 
 @dataclass(eq=False)
@@ -86,6 +89,30 @@ class Joint(Rank):
 
     members: list[Rank] = field(default_factory=list)
     gathering: dict[str, Gather] = field(default_factory=dict)  # request id -> what the members sent
+    # Gatherings that ended before every member registered: request id -> (when, why, the
+    # members told), so a member registering it later hears at once (bounded, MAX_ENDED).
+    ended: OrderedDict[str, tuple[float, str, set[int]]] = field(default_factory=OrderedDict)
+
+    def end(self, rid: str, now: float, reason: str, told: set[int]) -> None:
+        """``rid``'s gathering ended for ``reason``; the members ``told`` heard it."""
+        if len(told) < len(self.members):
+            self.ended[rid] = (now, reason, set(told))
+            self.ended.move_to_end(rid)
+            while len(self.ended) > MAX_ENDED:
+                self.ended.popitem(last=False)
+
+    def late(self, rid: str, index: int, now: float, keep_s: float) -> str:
+        """Why member ``index``'s registration of ``rid`` ends at once (its gathering ended
+        before it came), or ''. Forgotten once every member heard, or after ``keep_s``."""
+        for old in [r for r, (at, _, _) in self.ended.items() if now - at >= keep_s]:
+            del self.ended[old]
+        kept = self.ended.get(rid)
+        if kept is None or index in kept[2]:
+            return ""
+        kept[2].add(index)
+        if len(kept[2]) == len(self.members):
+            del self.ended[rid]
+        return kept[1]
 
     def agent_info(self) -> pp.AgentInfo:
         return msgspec.structs.replace(super().agent_info(), members=len(self.members))

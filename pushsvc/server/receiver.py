@@ -202,6 +202,12 @@ class Receiver:
                 self._metrics.duplicates.labels("registration").inc()
                 bound.info("recv_duplicate")
                 return
+            ended = joint.late(rid, index, self._now(), self._settings.watchdog_s)
+            if ended:  # the others' registrations ended before this one came
+                bound.info("recv_failed", kind="joint_ended", error=ended)
+                self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=_flat(msg.local_block_ids),
+                                                      reason=ended))
+                return
         if not any(msg.local_block_ids):  # a release: the first member's goes out through the joint
             if joint is not None and joint.index_of(rank) == 0:
                 self._release(joint, msg, Remote(msg.remote_engine_id, msg.remote_host, msg.remote_port,
@@ -224,7 +230,9 @@ class Receiver:
             bound.warning("recv_rejected", phase="register", error=reason)
             self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=_flat(msg.local_block_ids), reason=reason))
             if joint is not None and gather is not None:
-                self._ungather(joint, rid, "joint_refused", f"{reason} (D rank {rank.number})")
+                self._ungather(joint, rid, "joint_refused", f"{reason} (D rank {rank.number})", also={index})
+            elif joint is not None:
+                joint.end(rid, self._now(), f"{reason} (D rank {rank.number})", {index})
             return
         assert joint is not None
         gather = joint.gathering.setdefault(rid, Gather(self._now()))
@@ -234,12 +242,14 @@ class Receiver:
             bound.debug("recv_joined", joint=joint.number, members=len(joint.members))
             self.on_register_recv(joint, msg, [])
 
-    def _ungather(self, joint: Joint, rid: str, kind: str, reason: str) -> None:
-        """End ``rid``'s gathering: every member that registered it hears ``reason``;
-        counted as a failure of ``kind``."""
+    def _ungather(self, joint: Joint, rid: str, kind: str, reason: str, also: set[int] | None = None) -> None:
+        """End ``rid``'s gathering: every member that registered it hears ``reason`` (and
+        those to register it later, at once); counted as a failure of ``kind``. ``also``:
+        members told already."""
         gather = joint.gathering.pop(rid, None)
         if gather is None:
             return
+        joint.end(rid, self._now(), reason, set(gather.parts) | (also or set()))
         self._metrics.failures.labels(kind).inc()
         log.warning("recv_failed", request_id=rid, joint=joint.number, kind=kind, error=reason,
                     registered=sorted(joint.members[i].number for i in gather.parts))

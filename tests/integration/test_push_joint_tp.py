@@ -154,6 +154,11 @@ def test_a_d_rank_that_withdraws_before_the_other_registered_ends_the_request_fo
     event = d0.wait(rid)
     assert event == {"type": "RecvFailed", "request_id": rid, "block_ids": [1, 2], "reason": "cancelled"}, event
     assert D.live_info()["joints"][0]["gathering"] == 0
+    # D rank 1's registration, coming after, hears at once: there is nothing to join.
+    _recv(d1, P, rid, [1, 2])
+    assert d1.wait(rid, timeout=3) == {"type": "RecvFailed", "request_id": rid, "block_ids": [1, 2],
+                                       "reason": "cancelled"}
+    assert D.live_info()["joints"][0]["gathering"] == 0
     assert P.live_info()["tables"]["p_registrations"] == 0, "nothing went to P"
     _never_written(P, D, pw, rid)
 
@@ -203,12 +208,16 @@ def test_a_d_rank_that_never_registers_fails_the_other_at_the_watchdog(spawn):
     P = spawn.daemon("prefill")
     D = spawn.daemon("decode", "--watchdog-s", "1")
     _p_rank(spawn, P)
-    d0, _d1 = _d_ranks(spawn, D)
+    d0, d1 = _d_ranks(spawn, D)
     rid = "cmpl-joint-alone"
     _recv(d0, P, rid, [6])
     event = d0.wait(rid, timeout=5)
     assert event is not None and event["type"] == "RecvFailed", event
     assert event["reason"].startswith("watchdog: D ranks [0, 1] did not all register it"), event
+    assert D.metric("pushsvc_failures_total", kind="watchdog") == 1
+    _recv(d1, P, rid, [6])  # late: it hears the same at once, counted once
+    late = d1.wait(rid, timeout=0.5)
+    assert late is not None and late["reason"] == event["reason"], late
     assert D.metric("pushsvc_failures_total", kind="watchdog") == 1
     assert tables_empty(P, D)
 
