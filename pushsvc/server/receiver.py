@@ -261,11 +261,12 @@ class Receiver:
         """``rank`` registered ``rid`` for a joint: it is gathering or tracked there."""
         return any(rid in j.gathering or self._of(j).tracks(rid) for j in self._joints.containing(rank))
 
-    def joint_retired(self, joint: Joint) -> None:
-        """``joint`` will not be registered with again (a member retired): what it was
-        still gathering ends, and its members hear it."""
+    def joint_retired(self, joint: Joint, reason: str = f"{CANCELLED}: D's ranks changed while it was registered"
+                      ) -> None:
+        """``joint`` will not be registered with again (a member retired, or the daemon
+        stops): what it was still gathering ends, and its members hear ``reason``."""
         for rid in list(joint.gathering):
-            self._ungather(joint, rid, CANCELLED, f"{CANCELLED}: D's ranks changed while it was registered")
+            self._ungather(joint, rid, CANCELLED, reason)
 
     def _joints_of(self, ranks: list[Rank]) -> list[Joint]:
         return list(dict.fromkeys(j for r in ranks for j in self._joints.containing(r)))

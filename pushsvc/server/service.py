@@ -387,6 +387,7 @@ class PushService:
         await self._tasks.cancel()
         for joint in self.joints.all():  # the members' events go to their workers, still attached
             joint.agent.close()
+            self.receiver.joint_retired(joint, "daemon shutting down")
             self.receiver.abandon(joint, "daemon shutting down")
             self.receiver.forget(joint)
             self.joints.close(joint)

@@ -189,6 +189,9 @@ class Worker:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
+            for i, ev in enumerate(self.events):  # those already read first: the daemon may have closed since
+                if isinstance(ev, kind) and (request_id is None or getattr(ev, "request_id", None) == request_id):
+                    return self.events.pop(i)
             self.poll()
             for i, ev in enumerate(self.events):
                 if isinstance(ev, kind) and (request_id is None or getattr(ev, "request_id", None) == request_id):

@@ -22,16 +22,18 @@ from daemon_fixtures import (
 )
 
 from pushsvc.engine.fake import FakeEngine
+from pushsvc.errors import DaemonUnavailable
 from pushsvc.protocol import worker as wp
 
 RID = "cmpl-joint-0-11111111"
 
 
 @contextlib.asynccontextmanager
-async def tp1_to_tp2() -> AsyncIterator[tuple[object, object, Worker, list[Worker]]]:
-    """P of TP 1 (head-major blocks of 4 heads) and D of TP 2 (2 heads each)."""
+async def tp1_to_tp2(**d_config: object) -> AsyncIterator[tuple[object, object, Worker, list[Worker]]]:
+    """P of TP 1 (head-major blocks of 4 heads) and D of TP 2 (2 heads each), D's daemon
+    configured with ``d_config``."""
     fake = FakeEngine()
-    async with running_daemon(fake, P_ENGINE) as p, running_daemon(fake, D_ENGINE) as d:
+    async with running_daemon(fake, P_ENGINE) as p, running_daemon(fake, D_ENGINE, **d_config) as d:
         pw = Worker(p, "producer")
         dws = [Worker(d, "consumer", rank=r, tp_size=2) for r in range(2)]
         try:
@@ -44,8 +46,8 @@ async def tp1_to_tp2() -> AsyncIterator[tuple[object, object, Worker, list[Worke
                 w.close()
 
 
-def _register(dw: Worker, p, blocks: list[int]) -> None:
-    dw.send(wp.RegisterRecv(request_id=RID, local_block_ids=[blocks], remote_engine_id=p.config.engine_id,
+def _register(dw: Worker, p, blocks: list[int], rid: str = RID) -> None:
+    dw.send(wp.RegisterRecv(request_id=rid, local_block_ids=[blocks], remote_engine_id=p.config.engine_id,
                             remote_host="127.0.0.1", remote_port=p.service.peers.port, remote_tp_size=1))
 
 
@@ -79,3 +81,25 @@ async def test_a_joint_request_has_one_timeline_that_either_members_report_ends(
         dws[0].send(wp.Reported(recving=[RID], at=time.monotonic()))
         await dws[0].ping(3)
         assert metric(d, "pushsvc_phase_seconds_count", side="recv", phase="finished_recving") == 1, "once"
+
+
+@pytest.mark.asyncio
+async def test_a_d_daemon_that_stops_tells_every_member_of_what_it_gathered_and_sent() -> None:
+    """Past its drain, D's daemon ends a registration both members made (out at P) and
+    one only D rank 0 made (still gathering): each member that registered hears
+    "daemon shutting down", nothing is left unanswered."""
+    async with tp1_to_tp2(drain_timeout_s=0.3) as (p, d, _pw, dws):
+        for w in dws:
+            _register(w, p, [3, 4])
+        await wait_until(lambda: p.info()["tables"]["p_registrations"] == 1, "the joint's PUSH_REG at P")
+        _register(dws[0], p, [6], rid="cmpl-joint-half")
+        await wait_until(lambda: d.info()["joints"][0]["gathering"] == 1, "D rank 0's half to be gathered")
+        await d.shutdown()
+        for w in dws:
+            failed = await w.wait_for(wp.RecvFailed, RID)
+            assert failed.reason == "daemon shutting down" and sorted(failed.block_ids) == [3, 4], failed
+        half = await dws[0].wait_for(wp.RecvFailed, "cmpl-joint-half")
+        assert half.reason == "daemon shutting down" and half.block_ids == [6], half
+        with contextlib.suppress(DaemonUnavailable):  # whatever else came before the daemon closed
+            dws[1].poll()
+        assert dws[1].events == [], "D rank 1 registered only the first"
