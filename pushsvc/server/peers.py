@@ -402,7 +402,7 @@ class PeerManager:
             self._events.peer_up(peer)
         self._add_agents(peer, hello.agents)
         # Agents registered after our hello went out, while the peer's was on its way:
-        # the broadcast that announced them did not reach this session yet.
+        # the announcement of them did not reach this session yet.
         late = [a for a in pp.announceable(self._local_agents(), intro.minor) if a not in session.announced]
         if late:
             session.send(pp.AgentsUpdate(agents=late))
@@ -534,10 +534,6 @@ class PeerManager:
             mine = pp.announceable(agents, peer.minor)
             if mine:
                 self.send(peer, pp.AgentsUpdate(agents=mine))
-
-    def broadcast(self, msg: msgspec.Struct) -> None:
-        for peer in self.peers.values():
-            self.send(peer, msg)
 
     def send(self, peer: Peer, msg: msgspec.Struct) -> bool:
         for s in list(peer.sessions):

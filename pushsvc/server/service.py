@@ -346,12 +346,12 @@ class PushService:
             return
         for sender, payloads in batches.items():
             for payload in payloads:
-                if isinstance(rank, Joint) and notif.is_push_reg(payload):  # nobody registers with D
-                    self.metrics.malformed.labels("notification", "push_reg_to_joint").inc()
-                elif notif.is_push_reg(payload):
-                    self.sender.on_push_reg(rank, sender, payload)
-                else:
+                if not notif.is_push_reg(payload):
                     self.receiver.on_completion(rank, sender, payload)
+                elif isinstance(rank, Joint):  # nobody registers with D
+                    self.metrics.malformed.labels("notification", "push_reg_to_joint").inc()
+                else:
+                    self.sender.on_push_reg(rank, sender, payload)
 
     # ================================================================ views
 

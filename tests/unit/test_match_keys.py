@@ -175,7 +175,7 @@ async def test_a_push_reg_from_an_agent_p_does_not_know_yet_waits_for_it() -> No
         # D's daemon announces the agent: now P checks it and pushes.
         info = pp.AgentInfo(rank=0, tp_size=1, agent_name=newcomer.name, metadata=newcomer.metadata(),
                             regions=known.regions, blocks_per_logical=known.blocks_per_logical)
-        pair.d.service.peers.broadcast(pp.AgentsUpdate(agents=[info]))
+        pair.d.service.peers.announce([info])
         await pair.pw.wait_for(wp.SendDone, P1)
         assert np.array_equal(pair.dw.snapshot(), expected_after_push(pair.pw, pair.dw, [0, 1], [3, 4]))
         assert newcomer.inbox == {p_agent: [notif.encode_completion(D1, 1)]}

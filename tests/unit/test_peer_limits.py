@@ -232,7 +232,7 @@ async def test_an_agent_registered_between_the_two_hellos_is_announced() -> None
         first = await raw.read_msg()
         assert isinstance(first, pp.PeerHello) and first.agents == []
         agents.append(AGENT)  # the worker registers now
-        p.broadcast(pp.AgentsUpdate(agents=[AGENT]))  # what register_kv does: nobody to send to yet
+        p.announce([AGENT])  # what register_kv does: nobody to send to yet
         hello = pp.PeerHello(daemon_id="d", engine_id="decode", side_channel_host="127.0.0.1", side_channel_port=1,
                              agents=[])
         raw.writer.write(encode_preamble(pp.MAGIC, pp.MAJOR, pp.MINOR) + frame(pp.encode(hello)))
