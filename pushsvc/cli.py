@@ -316,7 +316,8 @@ def format_status(info: dict[str, Any], ready: dict[str, Any]) -> str:
         "",
     ]
     lines += _table(("rank", "role", "agent", "registered", "worker", "memory", "landing slots"), [
-        (f"{a['rank']}/{a['tp_size']}", a["role"], a["agent"], _yes(a["registered"]), _yes(a["worker_connected"]),
+        (f"{a['rank']}/{a['tp_size']}" + (f" stage {a['stage']}/{a['stages']}" if a.get("stages", 1) > 1 else ""),
+         a["role"], a["agent"], _yes(a["registered"]), _yes(a["worker_connected"]),
          a.get("mem_type") or "-", a.get("landing_slots", 0))
         for a in info["agents"]], empty="no ranks: no worker has said hello")
     if info.get("joints"):  # D TP above a P's: one joint agent per P rank

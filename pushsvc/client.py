@@ -37,9 +37,12 @@ _DESCRIBE_MAX_FRAME = 1 << 20
 
 class DaemonClient:
     def __init__(self, socket_path: str, *, engine_id: str, rank: int, tp_size: int, role: wp.Role,
-                 timeout_s: float = 10.0, max_frame: int = 16 << 20) -> None:
+                 timeout_s: float = 10.0, max_frame: int = 16 << 20, pp_rank: int = 0, pp_size: int = 1) -> None:
         self.socket_path = socket_path
-        self.hello = wp.Hello(engine_id=engine_id, rank=rank, tp_size=tp_size, role=role, pid=os.getpid())
+        # A pipeline stage is said only where there are several (1.5; a daemon before 1.5
+        # refuses the hello of such a worker as naming fields it does not know).
+        self.hello = wp.Hello(engine_id=engine_id, rank=rank, tp_size=tp_size, role=role, pid=os.getpid(),
+                              pp_rank=pp_rank, pp_size=pp_size)
         self.timeout_s = timeout_s
         self.welcome: wp.Welcome | None = None
         # The daemon's protocol minor, from its preamble: what this client may send it

@@ -16,9 +16,12 @@ on; ``transfer_groups`` says which groups a transfer carries and how many traili
 of a sliding-window group (``groups.py``). Group kinds other than full attention and
 sliding window (Mamba state, chunked local attention) are refused at construction.
 
-Supported parallelism: tensor parallelism only. One daemon serves the TP ranks of one
-vLLM instance; pipeline stages or data-parallel replicas would bring several workers
-with the same TP rank, which the daemon refuses, so construction refuses them first.
+Supported parallelism: tensor parallelism, and pipeline parallelism on the prefill
+(``kv_producer``) side. One daemon serves the workers of one vLLM instance, each known by
+its TP rank and pipeline stage; each stage's workers push their own layers, which D's
+daemon pairs with its regions by layer name. A decoding instance runs one stage (it
+counts a request's KV as landed per rank of that stage), and data-parallel replicas
+would bring several workers for the same rank and stage: construction refuses both.
 """
 
 from __future__ import annotations
@@ -59,14 +62,15 @@ if TYPE_CHECKING:
 
 _ROLES = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
 DEFAULT_BACKSTOP_S = 180.0
-# ParallelConfig fields whose value must be 1 (see the module docstring).
+# ParallelConfig fields whose value must be 1 (see the module docstring); the first only
+# where the instance decodes (is not a pure kv_producer).
 _UNSUPPORTED_PARALLELISM = ("pipeline_parallel_size", "data_parallel_size")
 
 
 class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        check_parallelism(vllm_config.parallel_config)
+        check_parallelism(vllm_config.parallel_config, self._kv_transfer_config.kv_role)
         self._groups = transfer_groups(kv_cache_config)
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._scheduler: PushScheduler | None = None
@@ -85,16 +89,18 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
         if not socket_path:
             raise ValueError('PushsvcConnector needs kv_connector_extra_config["daemon_socket"]: the path of '
                              "the co-located pushsvc daemon's Unix socket")
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         # On a step with nothing scheduled, vLLM only steps to learn about transfers;
         # waiting here for the daemon (woken by its first event) replaces an empty-step
         # spin that measured ~650 steps/s and ~1.4 cores on a 2-core host.
         self._idle_wait_s = float(extra.get("idle_wait_ms", 10.0)) / 1000.0
         role_name = _ROLES.get(self._kv_transfer_config.kv_role or "kv_both", "both")
+        pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self._worker = PushWorker(socket_path=str(socket_path), rank=get_tensor_model_parallel_rank(),
                                   tp_size=vllm_config.parallel_config.tensor_parallel_size, role=role_name,
-                                  connect_timeout_s=float(extra.get("connect_timeout_s", 10.0)))
+                                  connect_timeout_s=float(extra.get("connect_timeout_s", 10.0)),
+                                  pp_rank=get_pp_group().rank_in_group if pp_size > 1 else 0, pp_size=pp_size)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
@@ -245,14 +251,22 @@ def replicated_layers(kv_cache_config: Any) -> frozenset[str]:
                      if isinstance(group.kv_cache_spec, MLAAttentionSpec) for name in group.layer_names)
 
 
-def check_parallelism(parallel_config: Any) -> None:
-    """Refuse what the daemon cannot serve: it knows a worker by its TP rank alone."""
+def check_parallelism(parallel_config: Any, kv_role: str | None = "kv_both") -> None:
+    """Refuse what the daemon cannot serve: several workers for one TP rank and stage
+    (data parallelism), or pipeline stages on an instance that decodes."""
     for name in _UNSUPPORTED_PARALLELISM:
         size = getattr(parallel_config, name)
-        if size != 1:
+        if size == 1 or (name == "pipeline_parallel_size" and kv_role == "kv_producer"):
+            continue
+        if name == "pipeline_parallel_size":
             raise ValueError(
-                f"PushsvcConnector does not support {name}={size}: one pushsvc daemon serves the "
-                "tensor-parallel ranks of one vLLM instance, and a second pipeline stage or data-parallel "
-                "replica would bring another worker for the same TP rank. Supported: tensor parallelism "
-                "only (pipeline_parallel_size=1, data_parallel_size=1); for data parallelism run separate "
-                "vLLM instances, each with its own daemon.")
+                f"PushsvcConnector does not support {name}={size} with kv_role={kv_role}: only a prefill "
+                "instance (kv_role=kv_producer) may be pipeline-parallel; a decoding instance runs one "
+                "stage (decode-side pipeline parallelism is not supported). Supported: tensor "
+                "parallelism on both sides, pipeline parallelism on P.")
+        raise ValueError(
+            f"PushsvcConnector does not support {name}={size}: one pushsvc daemon serves the "
+            "workers of one vLLM instance, and a data-parallel replica would bring another worker for "
+            "the same rank. Supported: tensor parallelism, and pipeline parallelism on P "
+            "(data_parallel_size=1); for data parallelism run separate vLLM instances, each with its "
+            "own daemon.")

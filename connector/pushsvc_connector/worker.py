@@ -68,10 +68,11 @@ class _Transfer:
 
 class PushWorker:
     def __init__(self, *, socket_path: str, rank: int, tp_size: int, role: wp.Role,
-                 connect_timeout_s: float = 10.0, reconnect_interval_s: float = RECONNECT_INTERVAL_S) -> None:
+                 connect_timeout_s: float = 10.0, reconnect_interval_s: float = RECONNECT_INTERVAL_S,
+                 pp_rank: int = 0, pp_size: int = 1) -> None:
         self.reconnect_interval_s = reconnect_interval_s
         self.client = DaemonClient(socket_path, engine_id="", rank=rank, tp_size=tp_size, role=role,
-                                   timeout_s=connect_timeout_s)
+                                   timeout_s=connect_timeout_s, pp_rank=pp_rank, pp_size=pp_size)
         self.stats = Counts()
         self._share: KVShare | None = None
         self._registered = False

@@ -26,15 +26,19 @@ MAJOR = 1
 # 1.3: AgentInfo.device and AgentInfo.parts (WRITEs in parts, ``PUSH_PART`` notifications);
 # 1.4: PeerHello.ucx_error_handling_mode; 1.5: RegionInfo.heads/replicated and ``source_rank`` on
 # PushFailed, CancelPush, PushCancelled, WriteStarted (P TP = k x D TP); 1.6: AgentInfo.members
-# (a D daemon's joint agent over several of its ranks, D TP = k x P TP)
-MINOR = 6
+# (a D daemon's joint agent over several of its ranks, D TP = k x P TP); 1.7: AgentInfo.stage and
+# AgentInfo.stages (a pipeline-parallel P: each stage's ranks hold some of the layers)
+MINOR = 7
 AUTH_MINOR = 1
 MATCH_KEY_MINOR = 2  # a D daemon sets PushReg.match_key only for a P at this minor or later
 PARTS_MINOR = 3  # a P daemon splits WRITEs only for a D at this minor or later that asks for it
 HETERO_TP_MINOR = 5  # a D daemon registers with several P ranks only at this minor or later
 JOINT_MINOR = 6  # a D daemon announces its joint agents only to a P at this minor or later
+STAGES_MINOR = 7  # a P daemon announces the agents of a pipeline-parallel engine only to a D at this minor or later
 
 _opts = dict(forbid_unknown_fields=True, omit_defaults=True, tag_field="t")
+# A P rank's source id (``AgentInfo.source``): at most 256 pipeline stages of TP 1024.
+SourceRank = Annotated[int, msgspec.Meta(ge=-1, lt=256 * 1024)]
 
 
 class RegionInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
@@ -71,11 +75,25 @@ class AgentInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, 
     # as the one rank ``rank`` of TP ``tp_size`` that P rank ``rank`` writes into: its regions
     # are those of D ranks ``rank*members`` .. ``rank*members + members - 1``, in that order.
     members: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    # 1.7: the pipeline stage this agent's worker runs, of ``stages``: its regions hold only
+    # that stage's layers (named by ``RegionInfo.layer_names``), and a D rank takes its KV
+    # from every stage's agents of the P ranks it pairs with.
+    stage: Annotated[int, msgspec.Meta(ge=0, lt=256)] = 0
+    stages: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+
+    @property
+    def source(self) -> int:
+        """The agent's *source id* among its engine's P ranks: ``stage * tp_size + rank``
+        (its TP rank where the engine has one stage)."""
+        return self.stage * self.tp_size + self.rank
 
 
 def announceable(agents: list[AgentInfo], minor: int) -> list[AgentInfo]:
-    """The agents a peer of side-channel 1.``minor`` may hear of (joint agents from 1.6)."""
-    return agents if minor >= JOINT_MINOR else [a for a in agents if a.members == 1]
+    """The agents a peer of side-channel 1.``minor`` may hear of (joint agents from 1.6, the
+    agents of a pipeline-parallel engine from 1.7: an older D would take one stage's layers
+    for all of them)."""
+    return [a for a in agents if (minor >= JOINT_MINOR or a.members == 1) and (minor >= STAGES_MINOR
+                                                                                or a.stages == 1)]
 
 
 _Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_LEN, max_length=NONCE_LEN)]
@@ -118,8 +136,9 @@ class PushFailed(msgspec.Struct, tag="push_failed", **_opts):
     request_id: Name
     rank: U32
     reason: Text
-    # 1.5: the P rank meant, where it is not ``rank`` (P TP = k x D TP); -1: ``rank``.
-    source_rank: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
+    # 1.5: the P rank meant, where it is not ``rank`` (P TP = k x D TP): its source id (1.7,
+    # ``AgentInfo.source``); -1: ``rank``.
+    source_rank: SourceRank = -1
 
 
 class CancelPush(msgspec.Struct, tag="cancel", **_opts):
@@ -129,8 +148,9 @@ class CancelPush(msgspec.Struct, tag="cancel", **_opts):
 
     request_id: Name
     rank: U32
-    # 1.5: the P rank meant, where it is not ``rank`` (P TP = k x D TP); -1: ``rank``.
-    source_rank: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
+    # 1.5: the P rank meant, where it is not ``rank`` (P TP = k x D TP): its source id (1.7,
+    # ``AgentInfo.source``); -1: ``rank``.
+    source_rank: SourceRank = -1
 
 
 class PushCancelled(msgspec.Struct, tag="cancelled", **_opts):
@@ -138,8 +158,9 @@ class PushCancelled(msgspec.Struct, tag="cancelled", **_opts):
 
     request_id: Name
     rank: U32
-    # 1.5: the P rank meant, where it is not ``rank`` (P TP = k x D TP); -1: ``rank``.
-    source_rank: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
+    # 1.5: the P rank meant, where it is not ``rank`` (P TP = k x D TP): its source id (1.7,
+    # ``AgentInfo.source``); -1: ``rank``.
+    source_rank: SourceRank = -1
 
 
 class WriteStarted(msgspec.Struct, tag="writing", **_opts):
@@ -151,12 +172,13 @@ class WriteStarted(msgspec.Struct, tag="writing", **_opts):
     nbytes: U64 = 0
     # Verify mode: xxh3-64 of each source block, little-endian, in WRITE order.
     digests: Annotated[bytes, msgspec.Meta(max_length=8 << 24)] = b""
-    # 1.5: the P rank meant, where it is not ``rank`` (P TP = k x D TP); -1: ``rank``.
-    source_rank: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
+    # 1.5: the P rank meant, where it is not ``rank`` (P TP = k x D TP): its source id (1.7,
+    # ``AgentInfo.source``); -1: ``rank``.
+    source_rank: SourceRank = -1
 
 
 def source_rank(msg: PushFailed | CancelPush | PushCancelled | WriteStarted) -> int:
-    """The P rank a message is about: ``source_rank`` where set, else ``rank`` (equal TP)."""
+    """The P rank a message is about, by source id: ``source_rank`` where set, else ``rank``."""
     return msg.source_rank if msg.source_rank >= 0 else msg.rank
 
 

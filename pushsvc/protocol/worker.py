@@ -28,14 +28,15 @@ MatchKey = Annotated[str, msgspec.Meta(max_length=MATCH_KEY_MAX, pattern=r"^[A-Z
 
 MAGIC = b"PSVW"
 MAJOR = 1
-MINOR = 4  # 1.1: RegisterRecv.match_key, SendReady.match_key; 1.2: CudaIpcBuffers; 1.3: Region.heads/replicated;
-# 1.4: Reported
+MINOR = 5  # 1.1: RegisterRecv.match_key, SendReady.match_key; 1.2: CudaIpcBuffers; 1.3: Region.heads/replicated;
+# 1.4: Reported; 1.5: Hello.pp_rank/pp_size
 # The first minor whose daemon accepts ``match_key``; a client sets it only for such a daemon.
 MATCH_KEY_MINOR = 1
 # The first minor whose daemon takes CUDA KV memory (``CudaIpcBuffers``).
 CUDA_IPC_MINOR = 2
 HEADS_MINOR = 3  # a client sends Region.heads and .replicated only to a daemon at this minor or later
 REPORTED_MINOR = 4  # ... and ``Reported`` from this one on
+STAGES_MINOR = 5  # ... and ``Hello.pp_rank``/``pp_size`` (a worker of a pipeline-parallel engine needs it)
 CUDA_IPC_HANDLE_BYTES = 64
 
 Role = Literal["producer", "consumer", "both"]
@@ -113,6 +114,9 @@ class Hello(msgspec.Struct, tag="hello", **_opts):
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)]
     role: Role
     pid: U32 = 0
+    # 1.5: the worker's pipeline stage, of ``pp_size`` (a producer's; a consumer runs one stage).
+    pp_rank: Annotated[int, msgspec.Meta(ge=0, lt=256)] = 0
+    pp_size: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
 
 
 class RegisterKV(msgspec.Struct, tag="register_kv", **_opts):

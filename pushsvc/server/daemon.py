@@ -209,7 +209,8 @@ class Daemon:
             "health_port": self.health.port,
             "uptime_s": round(time.time() - self._started_at, 3),
             "agents": [
-                {"rank": r.number, "tp_size": r.tp_size, "role": r.role, "agent": r.agent.name,
+                {"rank": r.number, "tp_size": r.tp_size, "stage": r.stage, "stages": r.stages, "role": r.role,
+                 "agent": r.agent.name,
                  "registered": r.ready, "worker_connected": r.conn is not None,
                  "mem_type": r.memory.mem_type if r.memory else None,
                  "regions": len(r.memory.layout.regions) if r.memory else 0,

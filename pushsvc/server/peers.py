@@ -68,9 +68,10 @@ class Peer:
     # Woken when it announces agents or loses its last session (``PeerManager.announced``).
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
-    def agent_for_rank(self, rank: int) -> pp.AgentInfo | None:
+    def agent_for(self, rank: int, tp_size: int, stage: int = 0) -> pp.AgentInfo | None:
+        """The agent it announced for TP rank ``rank`` of ``tp_size`` in pipeline ``stage``."""
         for info in self.agents.values():
-            if info.rank == rank:
+            if info.rank == rank and info.tp_size == tp_size and info.stage == stage:
                 return info
         return None
 
@@ -547,6 +548,7 @@ class PeerManager:
 
 
 def _same_place(old: pp.AgentInfo, new: pp.AgentInfo) -> bool:
-    """``new`` takes ``old``'s place: the same rank of the same TP (a worker restarted, or a
-    joint agent was rebuilt over new members)."""
-    return old.rank == new.rank and old.tp_size == new.tp_size and old.members == new.members
+    """``new`` takes ``old``'s place: the same rank of the same TP and pipeline stage (a
+    worker restarted, or a joint agent was rebuilt over new members)."""
+    return (old.rank == new.rank and old.tp_size == new.tp_size and old.members == new.members
+            and old.stage == new.stage)

@@ -146,10 +146,18 @@ class Rank:
     remotes: RemoteAgents
     memory: RankMemory | None = None
     conn: WorkerLink | None = None
+    stage: int = 0  # a pipeline-parallel producer's: the worker's stage, of ``stages``
+    stages: int = 1
 
     @property
     def ready(self) -> bool:
         return self.memory is not None
+
+    @property
+    def source(self) -> int:
+        """What peers name this rank by: its *source id* ``stage * tp_size + number``
+        (``AgentInfo.source``; its TP rank where the engine has one stage)."""
+        return self.stage * self.tp_size + self.number
 
     def agent_info(self) -> pp.AgentInfo:
         memory = self.memory
@@ -170,6 +178,8 @@ class Rank:
             mem_type=memory.mem_type,
             device=memory.device.ordinal if memory.device is not None else 0,
             parts=memory.landing is not None,
+            stage=self.stage,
+            stages=self.stages,
         )
 
     def close(self) -> None:
@@ -179,27 +189,29 @@ class Rank:
             self.memory.close()
 
     def __repr__(self) -> str:
-        return (f"<Rank r{self.number}/{self.tp_size} {self.role} agent={self.agent.name} pid={self.pid} "
+        stage = f" stage {self.stage}/{self.stages}" if self.stages > 1 else ""
+        return (f"<Rank r{self.number}/{self.tp_size}{stage} {self.role} agent={self.agent.name} pid={self.pid} "
                 f"ready={self.ready} connected={self.conn is not None}>")
 
 
 @dataclass
 class RankRegistry:
-    current: dict[int, Rank] = field(default_factory=dict)  # by rank number
+    # By source id (``Rank.source``): the TP rank where the engine has one pipeline stage.
+    current: dict[int, Rank] = field(default_factory=dict)
     retiring: list[Rank] = field(default_factory=list)  # replaced, still settling
 
     def all(self) -> list[Rank]:
         return [*self.current.values(), *self.retiring]
 
-    def numbered(self, number: int) -> list[Rank]:
-        """Every rank with this number: the current one first, then retiring ones."""
-        current = self.current.get(number)
-        return ([current] if current is not None else []) + [r for r in self.retiring if r.number == number]
+    def numbered(self, source: int) -> list[Rank]:
+        """Every rank of this source id: the current one first, then retiring ones."""
+        current = self.current.get(source)
+        return ([current] if current is not None else []) + [r for r in self.retiring if r.source == source]
 
     def successor(self, rank: Rank) -> Rank | None:
         """The connected rank that took over from ``rank``'s worker process, if that
         same process reconnected: events of the old connection's requests go to it."""
-        current = self.current.get(rank.number)
+        current = self.current.get(rank.source)
         if current is None or current is rank or current.conn is None or not rank.pid or current.pid != rank.pid:
             return None
         return current

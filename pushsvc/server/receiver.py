@@ -54,7 +54,8 @@ from pushsvc.state.consumer import (
 )
 from pushsvc.state import tp
 from pushsvc.state.landing import AllocOutcome
-from pushsvc.state.layout import check_block_ids, descriptor_table, dest_indices, source_view
+from pushsvc.state.layout import Layout, check_block_ids, descriptor_table, dest_indices, source_view
+from pushsvc.state.stages import LayerKey, keys, stage_view
 from pushsvc.state.timeline import RECV
 
 log = structlog.get_logger("pushsvc.receiver")
@@ -88,7 +89,7 @@ class Receiver:
         self._tables: dict[Rank, ConsumerTable] = {}
         # Verify mode: each source's descriptors of a rank's blocks (a rank's memory is
         # registered once; ``forget`` drops them with the rank).
-        self._views: dict[tuple[Rank, int, int], np.ndarray] = {}
+        self._views: dict[tuple[Rank, int, int, tuple[LayerKey, ...] | None], tuple[Layout, np.ndarray]] = {}
         self.landing = Landing(metrics=metrics, now=self._now, granted=self._granted)
         self._registrar = Registrar(
             identity=Identity(settings.engine_id, settings.daemon_id, settings.advertised_host), peers=peers,
@@ -502,11 +503,11 @@ class Receiver:
             return "P sent no digests (is P's daemon running with verify on?)"
         assert rank.memory is not None
         memory = rank.memory
-        indices = dest_indices(memory.layout, entry.block_ids)
         k = tp.ratio(entry.remote.tp_size, rank.tp_size)
         bad = total = 0
-        for agent, p_rank in entry.sources.items():
-            actual = digest_memory(self._source_descs(rank, k, p_rank % k), indices, memory.vram)
+        for agent, source in entry.sources.items():
+            view, descs = self._source_descs(rank, k, source % k, entry.layers.get(agent))
+            actual = digest_memory(descs, dest_indices(view, entry.block_ids), memory.vram)
             bad += count_mismatches(entry.digests[agent], actual)
             total += len(actual) // 8
         self._metrics.verified_blocks.labels("mismatch").inc(bad)
@@ -514,16 +515,22 @@ class Receiver:
         self._metrics.verified.labels("mismatch" if bad else "identical").inc()
         return f"{bad} of {total} blocks differ from P's" if bad else ""
 
-    def _source_descs(self, rank: Rank, parts: int, index: int) -> np.ndarray:
-        """The descriptors of what the ``index``-th of ``parts`` sources writes of ``rank``'s
-        blocks (``layout.source_view``), built once per rank's memory."""
+    def _source_descs(self, rank: Rank, parts: int, index: int,
+                      layers: tuple[LayerKey, ...] | None) -> tuple[Layout, np.ndarray]:
+        """What the ``index``-th of ``parts`` sources writes of ``rank``'s blocks
+        (``layout.source_view``; of a pipeline stage whose regions hold ``layers``, only
+        the regions of those layers) and its descriptors, built once per rank's memory."""
         memory = rank.memory
         assert memory is not None
-        kept = self._views.get((rank, parts, index))
+        key = (rank, parts, index, layers)
+        kept = self._views.get(key)
         if kept is None:
-            view = source_view(memory.layout, parts, index)
-            kept = self._views[(rank, parts, index)] = (memory.descs if view is memory.layout
-                                                        else descriptor_table(view))
+            layout = memory.layout
+            if layers is not None:
+                members = len(rank.members) if isinstance(rank, Joint) else 1
+                layout = stage_view(layout, keys(r.layer_names for r in memory.regions), layers * members)
+            view = source_view(layout, parts, index)
+            kept = self._views[key] = (view, memory.descs if view is memory.layout else descriptor_table(view))
         return kept
 
     def _fail(self, rank: Rank, rid: str, kind: str, reason: str) -> None:

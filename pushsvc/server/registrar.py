@@ -2,9 +2,11 @@
 this rank (the same rank at equal TP; with P TP = k x D TP, the k ranks ``state/tp.py``
 names, one PUSH_REG each; replicated KV, MLA's, only to the first of them and a release
 to the others; a joint agent of D's ranks, ``joints.py``, stands at P's TP and sends to
-the one P rank it takes KV from), at once where P's daemon is known and announced those agents, else
-after a handshake (and the announcement) in a task of its own so no other request waits
-behind it. Part of D's side (``receiver.py``), which owns the tables."""
+the one P rank it takes KV from; a pipeline-parallel P's ranks of every stage, after checking
+that the stages hold every layer of this rank once, ``state/stages.py``), at once where P's
+daemon is known and announced those agents, else after a handshake (and the announcement) in
+a task of its own so no other request waits behind it. Part of D's side (``receiver.py``),
+which owns the tables."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from pushsvc.server.timelines import Timelines
 from pushsvc.state import tp
 from pushsvc.state.consumer import ConsumerTable, PendingRecv
 from pushsvc.state.layout import replicated
+from pushsvc.state.stages import coverage, keys
 from pushsvc.state.timeline import RECV
 
 log = structlog.get_logger("pushsvc.receiver")
@@ -102,16 +105,17 @@ class Registrar:
             # What is still missing is named by _push_reg.
         return peer
 
-    def _unannounced(self, rank: Rank, entry: PendingRecv, peer: Peer) -> list[int]:
-        """The ranks of P that write into ``rank`` for ``entry`` and ``peer`` has not
-        announced (at P's TP); none where the TPs do not pair (``_push_reg`` says why)."""
+    def _unannounced(self, rank: Rank, entry: PendingRecv, peer: Peer) -> list[tuple[int, int]]:
+        """(stage, rank) of P's ranks that write into ``rank`` for ``entry`` and ``peer`` has
+        not announced (at P's TP); none where the TPs do not pair (``_push_reg`` says why)."""
         ranks = _sources(rank, entry)
         return _missing(ranks, entry.remote.tp_size, peer) if ranks is not None else []
 
     def _send(self, rank: Rank, entry: PendingRecv, peer: Peer) -> None:
         sent: dict[str, int] = {}
+        layers: dict[str, tuple[tuple[str, ...], ...]] = {}
         try:
-            self._push_reg(rank, entry, peer, sent)
+            self._push_reg(rank, entry, peer, sent, layers)
         except (TransferError, HandshakeError) as exc:
             kind = "push_reg_send_failed" if isinstance(exc, TransferError) else "handshake_failed"
             if not sent:
@@ -121,13 +125,15 @@ class Registrar:
             self._table(rank).mark_sent(entry.request_id, peer.daemon_id, sent)
             self._withdraw(rank, entry.request_id, f"{kind}: {exc}")
             return
-        self._table(rank).mark_sent(entry.request_id, peer.daemon_id, sent)
+        self._table(rank).mark_sent(entry.request_id, peer.daemon_id, sent, layers)
         self._timelines.mark(rank, RECV, entry.request_id, "push_reg_sent")
         self._wake()
 
-    def _push_reg(self, rank: Rank, entry: PendingRecv, peer: Peer, sent: dict[str, int] | None = None) -> None:
+    def _push_reg(self, rank: Rank, entry: PendingRecv, peer: Peer, sent: dict[str, int] | None = None,
+                  layers: dict[str, tuple[tuple[str, ...], ...]] | None = None) -> None:
         """Send ``entry``'s PUSH_REG to each of ``peer``'s agents that write into this
-        rank; ``sent`` collects them (agent -> P rank) as they go out."""
+        rank; ``sent`` collects them (agent -> P rank's source id) as they go out, and
+        ``layers``, for a pipeline-parallel P, each one's regions' layers."""
         p_tp = entry.remote.tp_size
         ranks = _sources(rank, entry)
         if ranks is None:
@@ -140,8 +146,16 @@ class Registrar:
                                  f"D TP {rank.tp_size} needs 1.{pp.HETERO_TP_MINOR}")
         missing = _missing(ranks, p_tp, peer)
         if missing:
-            raise HandshakeError(f"peer {peer.engine_id} has no rank {missing[0]} of TP {p_tp}")
-        targets = [peer.agent_for_rank(r) for r in ranks]
+            stage, r = missing[0]
+            raise HandshakeError(f"peer {peer.engine_id} has no rank {r} of TP {p_tp}"
+                                 + (f" in pipeline stage {stage}" if stage else ""))
+        stages = [[peer.agent_for(r, p_tp, s) for r in ranks] for s in range(_stages(ranks, p_tp, peer))]
+        if len(stages) > 1:
+            assert rank.memory is not None
+            why = coverage(keys(r.layer_names for r in rank.memory.regions),
+                           [keys(r.layer_names for r in s[0].regions) for s in stages if s[0] is not None])
+            if why:
+                raise HandshakeError(f"P {peer.engine_id} runs {len(stages)} pipeline stages: {why}")
         me = self._identity
         # A landing rank's registration names its landing slots, which P WRITEs into.
         blocks = self._landing.slot_ids(rank, entry.request_id) if self._landing.tracks(
@@ -163,16 +177,19 @@ class Registrar:
             match_key=entry.match_key if peer.minor >= pp.MATCH_KEY_MINOR else "",
         )
         payload = notif.encode_push_reg(reg)
-        # Replicated KV (MLA) is written whole by the first source; the others hear a
-        # release (no blocks), which frees the blocks they hold for the exchange.
-        writers = targets[:1] if len(targets) > 1 and rank.memory is not None and replicated(
-            rank.memory.layout) else targets
+        # Replicated KV (MLA) is written whole by the first source of each stage; the others
+        # hear a release (no blocks), which frees the blocks they hold for the exchange.
+        whole = len(ranks) > 1 and rank.memory is not None and replicated(rank.memory.layout)
         release = notif.encode_push_reg(msgspec.structs.replace(reg, local_block_ids=[]))
-        for target in targets:
-            assert target is not None
-            rank.agent.send_notif(target.agent_name, payload if target in writers else release)
-            if sent is not None and target in writers:
-                sent[target.agent_name] = target.rank
+        for stage in stages:
+            for i, target in enumerate(stage):
+                assert target is not None
+                writes = i == 0 or not whole
+                rank.agent.send_notif(target.agent_name, payload if writes else release)
+                if sent is not None and writes:
+                    sent[target.agent_name] = target.source
+                if layers is not None and writes and len(stages) > 1:
+                    layers[target.agent_name] = keys(r.layer_names for r in target.regions)
 
 
 def _sources(rank: Rank, entry: PendingRecv) -> range | None:
@@ -182,6 +199,17 @@ def _sources(rank: Rank, entry: PendingRecv) -> range | None:
     return None if tp.refusal(p_tp, rank.tp_size) else tp.sources(rank.number, rank.tp_size, p_tp)
 
 
-def _missing(ranks: range, p_tp: int, peer: Peer) -> list[int]:
-    """Those of ``ranks`` that ``peer`` has not announced an agent of TP ``p_tp`` for."""
-    return [r for r in ranks if (a := peer.agent_for_rank(r)) is None or a.tp_size != p_tp]
+def _stages(ranks: range, p_tp: int, peer: Peer) -> int:
+    """P's pipeline stages, as its first rank of ``ranks`` in stage 0 announced them (1
+    before it is announced)."""
+    first = peer.agent_for(ranks[0], p_tp)
+    return first.stages if first is not None else 1
+
+
+def _missing(ranks: range, p_tp: int, peer: Peer) -> list[tuple[int, int]]:
+    """(stage, rank) of those of ``ranks``, in each of P's stages, that ``peer`` has not
+    announced an agent of TP ``p_tp`` for (an agent of another stage count is a former
+    worker's, not counted)."""
+    stages = _stages(ranks, p_tp, peer)
+    return [(s, r) for s in range(stages) for r in ranks
+            if (a := peer.agent_for(r, p_tp, s)) is None or a.stages != stages]

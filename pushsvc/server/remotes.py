@@ -20,6 +20,7 @@ from pushsvc.errors import LayoutError, TransferError
 from pushsvc.protocol.notif import PushReg
 from pushsvc.protocol.peer import AgentInfo
 from pushsvc.state import tp
+from pushsvc.state.stages import LayerKey, keys, stage_view
 from pushsvc.state.layout import (
     Layout,
     RegionSpec,
@@ -41,17 +42,23 @@ def layout_of_agent(info: AgentInfo) -> Layout:
     )
 
 
-def view_of(info: AgentInfo, rank: int, tp_size: int) -> Layout:
+def view_of(info: AgentInfo, rank: int, tp_size: int, layers: tuple[LayerKey, ...] | None = None) -> Layout:
     """What local (P) rank ``rank`` of ``tp_size`` WRITEs into of the remote agent
     ``info``: its whole layout at equal TP; with P TP = k x D TP, the head slice of its
-    blocks that this rank's heads fill (``state/tp.py``)."""
+    blocks that this rank's heads fill (``state/tp.py``). A rank of a pipeline stage
+    (``layers``: its regions' layers) writes only the remote regions of its layers, in its
+    own order (``state/stages.py``; a joint agent's regions are its members' in turn)."""
     why = tp.refusal(tp_size, info.tp_size)
     if why:
         raise LayoutError(why)
     d_rank, index = tp.served(rank, tp_size, info.tp_size)
     if info.rank != d_rank:
         raise LayoutError(f"remote rank {info.rank} is not the D rank {d_rank} that rank {rank} writes into")
-    return source_view(layout_of_agent(info), tp.ratio(tp_size, info.tp_size), index)
+    layout = layout_of_agent(info)
+    if layers is not None:
+        layout = stage_view(layout, keys(r.layer_names for r in info.regions), layers * info.members,
+                            f"D agent {info.agent_name}")
+    return source_view(layout, tp.ratio(tp_size, info.tp_size), index)
 
 
 def registration_error(engine_id: str, info: AgentInfo, reg: PushReg, rank: int,
@@ -77,11 +84,16 @@ def registration_error(engine_id: str, info: AgentInfo, reg: PushReg, rank: int,
 
 
 class RemoteAgents:
-    def __init__(self, agent: Agent, max_descriptors: int, *, prepare: bool, rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, agent: Agent, max_descriptors: int, *, prepare: bool, rank: int = 0, tp_size: int = 1,
+                 stages: int = 1) -> None:
         self._agent = agent
         self._max = max_descriptors
         self._prepare = prepare  # prepare each remote's descriptors (the WRITing side)
         self._rank, self._tp_size = rank, tp_size  # the local agent's rank: which slice it writes
+        self._stages = stages
+        # A rank of one of several pipeline stages: its regions' layers, once its KV is
+        # registered (it writes only the remote regions of those layers).
+        self.layers: tuple[LayerKey, ...] | None = None
         self._loaded: set[str] = set()
         self._dlists: dict[str, DListHandle] = {}  # remote agent -> prepared list
         self._verdicts: dict[str, str] = {}  # remote agent -> "" (fits) or why not
@@ -101,7 +113,7 @@ class RemoteAgents:
             if loaded != name:
                 raise TransferError(f"metadata names agent {loaded}, hello said {name}")
             if self._prepare:
-                view = view_of(info, self._rank, self._tp_size)
+                view = view_of(info, self._rank, self._tp_size, self._layers())
                 self._dlists[name] = self._agent.prep_remote(name, descriptor_table(view, info.device), info.mem_type)
             self._loaded.add(name)
             self._verdicts.pop(name, None)
@@ -125,7 +137,7 @@ class RemoteAgents:
         remote = layout_of_agent(info)
         if verdict is None:
             try:
-                remote = view_of(info, self._rank, self._tp_size)
+                remote = view_of(info, self._rank, self._tp_size, self._layers())
                 check_compatible(local, remote)
                 if name not in self._dlists:
                     raise LayoutError(f"agent {name} was not loaded" if name not in self._loaded
@@ -138,6 +150,13 @@ class RemoteAgents:
             raise LayoutError(verdict)
         self._layouts[name] = remote
         return remote
+
+    def _layers(self) -> tuple[LayerKey, ...] | None:
+        if self._stages == 1:
+            return None
+        if self.layers is None:
+            raise LayoutError("this rank's KV memory is not registered yet: its layers are unknown")
+        return self.layers
 
     def dlist(self, name: str) -> DListHandle:
         return self._dlists[name]

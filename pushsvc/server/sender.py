@@ -544,5 +544,6 @@ class Sender:
 
 
 def _source(rank: Rank, reg: notif.PushReg) -> int:
-    """``source_rank`` for a message about ``reg``: this P rank, where it is not D's rank."""
-    return rank.number if rank.number != reg.decode_rank else -1
+    """``source_rank`` for a message about ``reg``: this P rank's source id, where it is
+    not D's rank."""
+    return rank.source if rank.source != reg.decode_rank else -1

@@ -36,6 +36,7 @@ from pushsvc.server.sender import Sender, SendSettings
 from pushsvc.server.tasks import TaskSet
 from pushsvc.server.timelines import Timelines
 from pushsvc.state import tp
+from pushsvc.state.stages import keys
 from pushsvc.state.layout import MAX_DESCRIPTORS
 
 log = structlog.get_logger("pushsvc.service")
@@ -104,25 +105,37 @@ class PushService:
             raise ProtocolError(f"worker engine id {hello.engine_id!r} != daemon engine id {self.config.engine_id!r}")
         if hello.rank >= hello.tp_size:
             raise ProtocolError(f"rank {hello.rank} is not below the TP size {hello.tp_size}")
-        others = [r for r in self.ranks.current.values() if r.number != hello.rank]
-        if others and others[0].tp_size != hello.tp_size:
-            raise ProtocolError(f"TP size {hello.tp_size} differs from rank {others[0].number}'s {others[0].tp_size}; "
-                                "one daemon serves one engine (run one daemon per data-parallel rank)")
-        old = self.ranks.current.get(hello.rank)
+        if hello.pp_rank >= hello.pp_size:
+            raise ProtocolError(f"pipeline stage {hello.pp_rank} is not below the PP size {hello.pp_size}")
+        if hello.pp_size > 1 and hello.role != "producer":
+            raise ProtocolError(f"a {hello.role} worker of pipeline stage {hello.pp_rank} of {hello.pp_size}: "
+                                "only a prefill (producer) engine may be pipeline-parallel (decode-side PP is "
+                                "not supported)")
+        slot = hello.pp_rank * hello.tp_size + hello.rank
+        others = [r for r in self.ranks.current.values() if r.source != slot]
+        if others and (others[0].tp_size, others[0].stages) != (hello.tp_size, hello.pp_size):
+            o = others[0]
+            raise ProtocolError(f"TP {hello.tp_size} x PP {hello.pp_size} differs from rank {o.number}'s TP "
+                                f"{o.tp_size} x PP {o.stages}; one daemon serves one engine (run one daemon per "
+                                "data-parallel rank)")
+        old = self.ranks.current.get(slot)
         if old is not None and old.conn is not None:
-            raise ProtocolError(f"rank {hello.rank} already has a connected worker (pid {old.pid}); "
-                                "pipeline- and data-parallel engines need one daemon per engine")
+            where = f"rank {hello.rank}" + (f" of stage {hello.pp_rank}" if hello.pp_size > 1 else "")
+            raise ProtocolError(f"{where} already has a connected worker (pid {old.pid}); "
+                                "data-parallel engines need one daemon per engine")
         if old is not None:
             self._retire(old, "worker replaced")
         self._generation += 1
-        name = f"{self.config.engine_id}/r{hello.rank}/{self.daemon_id[:8]}.{self._generation}"
+        place = f"p{hello.pp_rank}r{hello.rank}" if hello.pp_size > 1 else f"r{hello.rank}"
+        name = f"{self.config.engine_id}/{place}/{self.daemon_id[:8]}.{self._generation}"
         agent = self.engine.create_agent(name)
         # The kernel's word for the worker's pid (SO_PEERCRED), not the hello's: a process
         # that reconnects is recognised by it (``RankRegistry.successor``).
         remotes = RemoteAgents(agent, MAX_DESCRIPTORS, prepare=hello.role != "consumer", rank=hello.rank,
-                               tp_size=hello.tp_size)
-        rank = Rank(hello.rank, hello.tp_size, hello.role, conn.pid, agent, remotes, conn=conn)
-        self.ranks.current[hello.rank] = rank
+                               tp_size=hello.tp_size, stages=hello.pp_size)
+        rank = Rank(hello.rank, hello.tp_size, hello.role, conn.pid, agent, remotes, conn=conn,
+                    stage=hello.pp_rank, stages=hello.pp_size)
+        self.ranks.current[slot] = rank
         self.metrics.agents.set(len(self.ranks.current))
         self.outbox.attached(rank)
         return rank, self.describe()
@@ -143,7 +156,7 @@ class PushService:
         rank.conn = None
         self.sender.worker_detached(rank)
         self.receiver.worker_detached(rank)
-        if self.ranks.current.get(rank.number) is rank:
+        if self.ranks.current.get(rank.source) is rank:
             self._retire(rank, "worker disconnected")
 
     def register_kv(self, rank: Rank, msg: wp.RegisterKV, fds: list[int]) -> wp.KVRegistered:
@@ -151,6 +164,7 @@ class PushService:
             raise ProtocolError("KV memory is already registered for this rank")
         rank.memory = memory = map_kv(msg, fds, agent=rank.agent, role=rank.role, devmem=self.devmem,
                                       settings=self._memory_settings)
+        rank.remotes.layers = keys(r.layer_names for r in msg.regions)  # used by a pipeline stage's rank
         slots = memory.landing.geometry.slots if memory.landing is not None else 0
         if slots:
             self.receiver.landing.attach(rank)
@@ -207,12 +221,12 @@ class PushService:
     def _predecessors(self, rank: Rank) -> list[Rank]:
         """Retiring ranks of the same worker process (it reconnected): their requests
         are this worker's too."""
-        return [r for r in self.ranks.retiring if r.number == rank.number and r.pid and r.pid == rank.pid]
+        return [r for r in self.ranks.retiring if r.source == rank.source and r.pid and r.pid == rank.pid]
 
     def _retire(self, rank: Rank, reason: str) -> None:
         log.info("rank_retired", rank=rank.number, agent=rank.agent.name, reason=reason)
-        if self.ranks.current.get(rank.number) is rank:
-            del self.ranks.current[rank.number]
+        if self.ranks.current.get(rank.source) is rank:
+            del self.ranks.current[rank.source]
         rank.conn = None
         # Registrations D sent to the old worker's agent will never be served: D
         # fails them now rather than at its watchdog.
@@ -296,7 +310,7 @@ class PushService:
         self.receiver.push_failed(peer, msg, self._d_ranks(msg.rank))
 
     def cancel_push(self, peer: Peer, msg: pp.CancelPush) -> None:
-        self.sender.cancel_push(peer, msg, self.ranks.numbered(pp.source_rank(msg)))  # P's rank it names
+        self.sender.cancel_push(peer, msg, self.ranks.numbered(pp.source_rank(msg)))  # the P rank's source id
 
     def push_cancelled(self, peer: Peer, msg: pp.PushCancelled) -> None:
         self.receiver.push_cancelled(peer, msg, self._d_ranks(msg.rank))

@@ -75,6 +75,8 @@ class PendingRecv:
     reason: str = CANCELLED  # why a CANCELLING entry is being withdrawn
     announced_at: float | None = None  # P's WriteStarted arrived (hot polling)
     digests: dict[str, bytes] = field(default_factory=dict)  # verify mode: each source's, from WriteStarted
+    # A pipeline-parallel P's: each source's regions' layers (what of D's blocks it writes).
+    layers: dict[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
 
     @property
     def flat_block_ids(self) -> list[int]:
@@ -164,13 +166,16 @@ class ConsumerTable:
                 self._holders.setdefault((g, b), request_id)
         return entry
 
-    def mark_sent(self, request_id: str, p_daemon: str, sources: dict[str, int]) -> bool:
-        """The PUSH_REGs went to the agents ``sources`` (agent -> P rank) of ``p_daemon``."""
+    def mark_sent(self, request_id: str, p_daemon: str, sources: dict[str, int],
+                  layers: dict[str, tuple[tuple[str, ...], ...]] | None = None) -> bool:
+        """The PUSH_REGs went to the agents ``sources`` (agent -> P rank's source id) of
+        ``p_daemon``; ``layers``: a pipeline-parallel P's, each source's regions' layers."""
         entry = self.pending.get(request_id)
         if entry is None or entry.state is not RecvState.PENDING or not sources:
             return False
         entry.state = RecvState.SENT
         entry.p_daemon, entry.sources, entry.open = p_daemon, dict(sources), set(sources)
+        entry.layers = {a: k for a, k in (layers or {}).items() if a in sources}
         return True
 
     def sent_by(self, request_id: str, p_daemon: str) -> PendingRecv | None:

@@ -1,8 +1,10 @@
 """A stand-in vLLM worker process for integration tests, driven over stdin/stdout.
 
-It owns a KV cache with a vLLM-like layout in memfd shared memory (``layers`` layers,
-each a K and a V region, spread over two buffers; ``--heads`` says its blocks are
-head-major, as vLLM CPU's are), registers it with its daemon through
+It owns a KV cache with a vLLM-like layout in memfd shared memory (``layers`` layers from
+``first_layer`` on, named as vLLM names them, each a K and a V region, spread over two
+buffers; a pipeline stage's worker holds its stage's layers only; ``--heads`` says its blocks are
+head-major, as vLLM CPU's are; ``--packed``: block-outermost rows of one page per layer,
+as packed MLA caches store them), registers it with its daemon through
 the real client library, and executes JSON-line commands. Every block starts filled
 with a pattern unique to (seed, region, block), so the test can tell which bytes moved.
 """
@@ -31,18 +33,28 @@ class KVWorker:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.client = DaemonClient(args.socket, engine_id=args.engine_id, rank=args.rank,
-                                   tp_size=args.tp_size, role=args.role)
-        n_regions = 2 * args.layers
-        per_buffer = [n_regions // 2, n_regions - n_regions // 2]
-        self.buffers = [SharedBuffer.create(n * args.blocks * args.block_len) for n in per_buffer]
+                                   tp_size=args.tp_size, role=args.role, pp_rank=args.pp_rank, pp_size=args.pp_size)
         self.regions: list[wp.Region] = []
-        for b, count in enumerate(per_buffer):
-            for i in range(count):
-                layer = (len(self.regions)) // 2
+        if args.packed:
+            # Block-outermost rows: block b's row holds one page per layer, side by side.
+            row = args.layers * args.block_len
+            self.buffers = [SharedBuffer.create(args.blocks * row)]
+            for layer in range(args.layers):
                 self.regions.append(wp.Region(
-                    buffer=b, offset=i * args.blocks * args.block_len, block_len=args.block_len,
-                    num_blocks=args.blocks, layer_names=[f"model.layers.{layer}.self_attn"], heads=args.heads,
+                    buffer=0, offset=layer * args.block_len, block_len=args.block_len, num_blocks=args.blocks,
+                    block_stride=row, layer_names=[_layer_name(args.first_layer + layer)], heads=args.heads,
                     replicated=bool(args.replicated)))
+        else:
+            n_regions = 2 * args.layers
+            per_buffer = [n_regions // 2, n_regions - n_regions // 2]
+            self.buffers = [SharedBuffer.create(n * args.blocks * args.block_len) for n in per_buffer]
+            for b, count in enumerate(per_buffer):
+                for i in range(count):
+                    layer = (len(self.regions)) // 2
+                    self.regions.append(wp.Region(
+                        buffer=b, offset=i * args.blocks * args.block_len, block_len=args.block_len,
+                        num_blocks=args.blocks, layer_names=[_layer_name(args.first_layer + layer)],
+                        heads=args.heads, replicated=bool(args.replicated)))
         for r_idx, region in enumerate(self.regions):
             for blk in range(args.blocks):
                 self.write_block(r_idx, blk, pattern(args.seed, r_idx, blk, args.block_len))
@@ -168,6 +180,10 @@ class KVWorker:
             time.sleep(0.001)
 
 
+def _layer_name(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn"
+
+
 def _as_dict(msg) -> dict:
     import msgspec
 
@@ -191,6 +207,11 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=0, help="KV heads outermost in each block (0: not head-major)")
     p.add_argument("--replicated", type=int, default=0, help="1: every TP rank holds the same KV (MLA)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--pp-rank", type=int, default=0, help="the pipeline stage this worker runs")
+    p.add_argument("--pp-size", type=int, default=1)
+    p.add_argument("--first-layer", type=int, default=0, help="the model layer its first region holds")
+    p.add_argument("--packed", type=int, default=0,
+                   help="1: block-outermost rows, one page (region) per layer in each block's row (packed MLA)")
     args = p.parse_args()
     worker = KVWorker(args)
     out = sys.stdout

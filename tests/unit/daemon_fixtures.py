@@ -141,10 +141,11 @@ class Worker:
     """A vLLM worker stand-in: a ``DaemonClient`` plus one memfd KV buffer."""
 
     def __init__(self, daemon: Daemon, role: wp.Role, *, rank: int = 0, tp_size: int = 1,
-                 engine_id: str | None = None) -> None:
+                 engine_id: str | None = None, pp_rank: int = 0, pp_size: int = 1) -> None:
         self.daemon = daemon
         self.client = DaemonClient(daemon.config.socket_path, engine_id=engine_id or daemon.config.engine_id,
-                                   rank=rank, tp_size=tp_size, role=role, timeout_s=WAIT_S)
+                                   rank=rank, tp_size=tp_size, role=role, timeout_s=WAIT_S, pp_rank=pp_rank,
+                                   pp_size=pp_size)
         self.buffer: SharedBuffer | None = None
         self.num_blocks = 0
         self.block_len = BLOCK_LEN

@@ -84,6 +84,24 @@ async def test_not_ready_exits_3_in_both_formats(capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.asyncio
+async def test_a_pipeline_stage_s_ranks_are_shown_with_their_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    async with running_daemon(FakeEngine(), "staged") as daemon:
+        workers = [Worker(daemon, "producer", pp_rank=stage, pp_size=2) for stage in (1, 0)]
+        try:
+            for w in workers:
+                await w.start(4)
+            code, out, _ = await _status(capsys, "--url", _url(daemon))
+            assert code == 0, out
+            rows = sorted(c[0].strip() for c in _rows(out, "rank "))
+            assert rows == ["0/1 stage 0/2", "0/1 stage 1/2"]
+            agents = {a["stage"]: a["agent"] for a in daemon.info()["agents"]}
+            assert agents[1].startswith("staged/p1r0/") and agents[0].startswith("staged/p0r0/")
+        finally:
+            for w in workers:
+                w.close()
+
+
+@pytest.mark.asyncio
 async def test_unreachable_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = await _status(capsys, "--url", f"http://127.0.0.1:{free_tcp_port()}")
     assert code == 1 and out == "" and "cannot reach daemon" in err

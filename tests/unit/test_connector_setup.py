@@ -21,13 +21,26 @@ def _vllm_config(role: str = "kv_consumer", **parallel) -> SimpleNamespace:
     return SimpleNamespace(kv_transfer_config=kv, parallel_config=ParallelConfig(**parallel))
 
 
-@pytest.mark.parametrize("setting", ["pipeline_parallel_size", "data_parallel_size"])
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
-def test_pipeline_and_data_parallelism_are_refused_at_construction(setting, role) -> None:
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_data_parallelism_is_refused_at_construction(kv_role, role) -> None:
     """Regression: the daemon refused the second worker of a TP rank, the connector retried
     silently, and vLLM ran with every transfer failing."""
-    with pytest.raises(ValueError, match=rf"{setting}=2.*Supported: tensor parallelism only"):
-        PushsvcConnector(_vllm_config(**{setting: 2}), role, None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"data_parallel_size=2.*Supported: tensor parallelism, and pipeline"):
+        PushsvcConnector(_vllm_config(kv_role, data_parallel_size=2), role, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+@pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
+def test_pipeline_parallelism_is_refused_where_the_instance_decodes(kv_role, role) -> None:
+    with pytest.raises(ValueError, match=rf"pipeline_parallel_size=2 with kv_role={kv_role}.*decode-side pipeline"):
+        PushsvcConnector(_vllm_config(kv_role, pipeline_parallel_size=2), role, None)  # type: ignore[arg-type]
+
+
+def test_a_pipeline_parallel_prefill_instance_is_accepted() -> None:
+    connector = PushsvcConnector(_vllm_config("kv_producer", pipeline_parallel_size=2),  # type: ignore[arg-type]
+                                 KVConnectorRole.SCHEDULER, None)
+    assert connector.get_kv_connector_stats() is None  # constructed, serving the scheduler
 
 
 def test_the_checked_settings_are_vllms_parallel_config_fields() -> None:

@@ -196,10 +196,38 @@ def test_source_rank_is_left_out_at_equal_tp(message: msgspec.Struct) -> None:
     assert peer.peer_decoder.decode(peer.encode(other)) == other
 
 
-@pytest.mark.parametrize("raw", [{"source_rank": -2}, {"source_rank": 1024}])
+@pytest.mark.parametrize("raw", [{"source_rank": -2}, {"source_rank": 256 * 1024}])
 def test_source_rank_bounds(raw: dict[str, Any]) -> None:
     with pytest.raises(msgspec.ValidationError):
         peer.peer_decoder.decode(pack({"t": "cancel", "request_id": "r", "rank": 0, **raw}))
+
+
+def test_a_source_rank_names_a_pipeline_stage_s_rank() -> None:
+    """1.7: source ids of a pipeline-parallel P run past one stage's TP."""
+    top = peer.CancelPush(request_id="r", rank=0, source_rank=256 * 1024 - 1)
+    assert peer.peer_decoder.decode(peer.encode(top)) == top and peer.source_rank(top) == 256 * 1024 - 1
+
+
+def test_a_stage_agent_says_its_stage_and_is_announced_from_1_7_only() -> None:
+    """An agent of one stage is encoded as before 1.7; a pipeline stage's agent names its
+    stage, its source id runs over the stages, and a peer before 1.7 never hears of it (it
+    would take the stage's layers for all of them)."""
+    plain = peer.AgentInfo(rank=1, tp_size=2, agent_name="a", metadata=b"m", regions=[])
+    assert "stage" not in unpack(pack(plain)) and "stages" not in unpack(pack(plain)) and plain.source == 1
+    staged = msgspec.structs.replace(plain, agent_name="b", stage=2, stages=3)
+    assert unpack(pack(staged))["stage"] == 2 and unpack(pack(staged))["stages"] == 3
+    assert staged.source == 2 * 2 + 1
+    first = msgspec.structs.replace(plain, agent_name="c", stage=0, stages=3)
+    assert peer.announceable([plain, staged, first], peer.STAGES_MINOR) == [plain, staged, first]
+    assert peer.announceable([plain, staged, first], peer.STAGES_MINOR - 1) == [plain]
+
+
+@pytest.mark.parametrize("change", [{"stage": -1}, {"stage": 256}, {"stages": 0}, {"stages": 257}])
+def test_agent_info_stage_bounds(change: dict) -> None:
+    raw = {**msgspec.to_builtins(peer.AgentInfo(rank=0, tp_size=1, agent_name="a", metadata=b"m", regions=[])),
+           **change}
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(pack(raw), type=peer.AgentInfo)
 
 
 def test_region_heads_are_left_out_unless_head_major() -> None:

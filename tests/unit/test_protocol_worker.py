@@ -25,6 +25,7 @@ WORKER_MESSAGES = [
     worker.Hello(engine_id="prefill-0", rank=3, tp_size=8, role="producer", pid=4242),
     worker.Hello(engine_id="decode-0", rank=0, tp_size=1, role="consumer"),
     worker.Hello(engine_id="both", rank=0, tp_size=1, role="both"),
+    worker.Hello(engine_id="prefill-pp", rank=1, tp_size=2, role="producer", pp_rank=3, pp_size=4),
     worker.RegisterKV(memory=worker.MemfdBuffers(count=2), regions=REGIONS, blocks_per_logical=4),
     worker.RegisterKV(memory=worker.CudaIpcBuffers(device_uuid=bytes(range(16)), buffers=[
         worker.CudaIpcBuffer(handle=b"\x01" * 64, size=1 << 30), worker.CudaIpcBuffer(handle=b"\xff" * 64, size=7)]),
@@ -178,6 +179,10 @@ def test_valid_raw_maps_decode() -> None:
         pytest.param(_hello(tp_size=1025), id="tp-too-large"),
         pytest.param(_hello(rank=-1), id="negative-rank"),
         pytest.param(_hello(pid=2**32), id="pid-over-u32"),
+        pytest.param(_hello(pp_size=0), id="pp-zero"),
+        pytest.param(_hello(pp_size=257), id="pp-too-large"),
+        pytest.param(_hello(pp_rank=-1), id="pp-rank-negative"),
+        pytest.param(_hello(pp_rank=256), id="pp-rank-too-large"),
         pytest.param(_hello(engine_id="e" * 257), id="name-too-long"),
         pytest.param(_send_ready(block_ids=[[1, -1]]), id="negative-block-id"),
         pytest.param(_send_ready(block_ids=[[2**32]]), id="block-id-over-u32"),
@@ -228,6 +233,7 @@ def test_worker_decoder_rejects_invalid_messages(raw: Any) -> None:
 def test_worker_decoder_accepts_bounds() -> None:
     ok = [
         _hello(tp_size=1024, rank=2**32 - 1, pid=2**32 - 1),
+        _hello(pp_rank=255, pp_size=256),
         _send_ready(block_ids=[[0, 2**32 - 1]] + [[]] * 63),
         _register_recv(remote_port=65535),
         _register_recv(remote_port=0),
