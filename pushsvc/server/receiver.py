@@ -31,7 +31,8 @@ from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
-from pushsvc.server.joints import Gather, Joint, Joints
+from pushsvc.server.gathering import Gatherer
+from pushsvc.server.joints import Joint, Joints
 from pushsvc.server.landing import Action, Landing, PartOutcome
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerLink
@@ -51,6 +52,7 @@ from pushsvc.state.consumer import (
     RecvState,
     Remote,
     SourceOutcome,
+    flat,
 )
 from pushsvc.state import tp
 from pushsvc.state.landing import AllocOutcome
@@ -95,6 +97,10 @@ class Receiver:
             identity=Identity(settings.engine_id, settings.daemon_id, settings.advertised_host), peers=peers,
             tasks=tasks, landing=self.landing, timelines=timelines, table=self._of, fail=self._fail,
             withdraw=self._withdraw, wake=wake)
+        self._gatherer = Gatherer(
+            joints=joints, outbox=outbox, metrics=metrics, table=self._of, now=self._now,
+            watchdog_s=settings.watchdog_s, held=self._held, register=lambda joint, msg: self.on_register_recv(
+                joint, msg, []), release=self._release)
 
     def _of(self, rank: Rank) -> ConsumerTable:
         table = self._tables.get(rank)
@@ -113,12 +119,12 @@ class Receiver:
         """``predecessors``: retiring ranks of the same worker process, whose blocks are
         this rank's blocks too."""
         if msg.remote_tp_size < rank.tp_size and not isinstance(rank, Joint):
-            self._join(rank, msg, predecessors)
+            self._gatherer.join(rank, msg, predecessors)
             return
         rid = msg.request_id
         table = self._of(rank)
         bound = log.bind(request_id=rid, rank=rank.number, peer=msg.remote_engine_id)
-        if table.tracks(rid) or (not isinstance(rank, Joint) and self._joined(rank, rid)):
+        if table.tracks(rid) or (not isinstance(rank, Joint) and self._gatherer.joined(rank, rid)):
             # Checked before the blocks: a refusal would answer RecvFailed for the
             # live request, and its worker would reuse blocks P may still write into.
             self._metrics.duplicates.labels("registration").inc()
@@ -128,7 +134,7 @@ class Receiver:
         if reason:
             self._metrics.malformed.labels("worker", "registration").inc()
             bound.warning("recv_rejected", phase="register", error=reason)
-            self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=_flat(msg.local_block_ids), reason=reason))
+            self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=flat(msg.local_block_ids), reason=reason))
             return
         remote = Remote(msg.remote_engine_id, msg.remote_host, msg.remote_port, msg.remote_tp_size)
         if not any(msg.local_block_ids):
@@ -186,91 +192,11 @@ class Receiver:
                 return f"registration: block {held[0]} is held by live request {held[1]}"
         return ""
 
-    # ------------------------------------------------------------------ joints (D TP above P's)
-
-    def _join(self, rank: Rank, msg: wp.RegisterRecv, predecessors: list[Rank]) -> None:
-        """A member's registration for a P of lower TP: gathered until every member of
-        its joint registered it, then the joint's goes out (``joints.py``)."""
-        rid = msg.request_id
-        bound = log.bind(request_id=rid, rank=rank.number, peer=msg.remote_engine_id)
-        joint, why = self._joints.for_rank(rank, msg.remote_tp_size)
-        gather, index = None, 0
-        if joint is not None:
-            index = joint.index_of(rank)
-            gather = joint.gathering.get(rid)
-            if self._of(rank).tracks(rid) or self._of(joint).tracks(rid) or (
-                    gather is not None and index in gather.parts):
-                self._metrics.duplicates.labels("registration").inc()
-                bound.info("recv_duplicate")
-                return
-            ended = joint.late(rid, index, self._now(), self._settings.watchdog_s)
-            if ended:  # the others' registrations ended before this one came
-                bound.info("recv_failed", kind="joint_ended", error=ended)
-                self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=_flat(msg.local_block_ids),
-                                                      reason=ended))
-                return
-        if not any(msg.local_block_ids):  # a release: the first member's goes out through the joint
-            if joint is not None and joint.index_of(rank) == 0:
-                self._release(joint, msg, Remote(msg.remote_engine_id, msg.remote_host, msg.remote_port,
-                                                 msg.remote_tp_size))
-            return
-        if joint is None:
-            reason = why
-        elif rank.memory is None:
-            reason = "no KV memory registered for this rank"
-        else:
-            try:
-                check_block_ids(rank.memory.layout, msg.local_block_ids, "registration")
-                reason = self._held(msg.local_block_ids, [rank, *predecessors])
-            except LayoutError as exc:
-                reason = str(exc)
-            if not reason and gather is not None:
-                reason = gather.disagreement(msg)
-        if reason:
-            self._metrics.malformed.labels("worker", "registration").inc()
-            bound.warning("recv_rejected", phase="register", error=reason)
-            self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=_flat(msg.local_block_ids), reason=reason))
-            if joint is not None and gather is not None:
-                self._ungather(joint, rid, "joint_refused", f"{reason} (D rank {rank.number})", also={index})
-            elif joint is not None:
-                joint.end(rid, self._now(), f"{reason} (D rank {rank.number})", {index})
-            return
-        assert joint is not None
-        gather = joint.gathering.setdefault(rid, Gather(self._now()))
-        gather.parts[index] = msg
-        if len(gather.parts) == len(joint.members):
-            del joint.gathering[rid]
-            bound.debug("recv_joined", joint=joint.number, members=len(joint.members))
-            self.on_register_recv(joint, msg, [])
-
-    def _ungather(self, joint: Joint, rid: str, kind: str, reason: str, also: set[int] | None = None) -> None:
-        """End ``rid``'s gathering: every member that registered it hears ``reason`` (and
-        those to register it later, at once); counted as a failure of ``kind``. ``also``:
-        members told already."""
-        gather = joint.gathering.pop(rid, None)
-        if gather is None:
-            return
-        joint.end(rid, self._now(), reason, set(gather.parts) | (also or set()))
-        self._metrics.failures.labels(kind).inc()
-        log.warning("recv_failed", request_id=rid, joint=joint.number, kind=kind, error=reason,
-                    registered=sorted(joint.members[i].number for i in gather.parts))
-        for index, msg in gather.parts.items():
-            self._outbox.tell(joint.members[index], wp.RecvFailed(
-                request_id=rid, block_ids=_flat(msg.local_block_ids), reason=reason))
-
-    def _joined(self, rank: Rank, rid: str) -> bool:
-        """``rank`` registered ``rid`` for a joint: it is gathering or tracked there."""
-        return any(rid in j.gathering or self._of(j).tracks(rid) for j in self._joints.containing(rank))
-
     def joint_retired(self, joint: Joint, reason: str = f"{CANCELLED}: D's ranks changed while it was registered"
                       ) -> None:
         """``joint`` will not be registered with again (a member retired, or the daemon
         stops): what it was still gathering ends, and its members hear ``reason``."""
-        for rid in list(joint.gathering):
-            self._ungather(joint, rid, CANCELLED, reason)
-
-    def _joints_of(self, ranks: list[Rank]) -> list[Joint]:
-        return list(dict.fromkeys(j for r in ranks for j in self._joints.containing(r)))
+        self._gatherer.retired(joint, reason)
 
     def _tp_refusal(self, rank: Rank, p_tp: int) -> str:
         """Why this rank cannot take KV from a P of TP ``p_tp``, or ''. With P TP = k x D
@@ -297,12 +223,9 @@ class Receiver:
         """The worker withdrew ``rid`` (from any of its ranks: a reconnected worker
         withdraws what it registered on its old connection too). Its blocks are given
         back once P can no longer write into them."""
-        joints = self._joints_of(ranks)
-        for joint in joints:
-            if rid in joint.gathering:  # the others' registrations can never be joined now
-                self._ungather(joint, rid, CANCELLED, CANCELLED)
-                return
-        for rank in [*ranks, *joints]:
+        if self._gatherer.withdrawn(ranks, rid):
+            return
+        for rank in [*ranks, *self._gatherer.of(ranks)]:
             table = self._tables.get(rank)
             entry = table.pending.get(rid) if table is not None else None
             if entry is None:
@@ -344,9 +267,7 @@ class Receiver:
         table = self._tables.get(rank)
         for rid in list(table.pending) if table is not None else ():
             self.evict([rank], rid)
-        for joint in self._joints_of([rank]):  # no joint registration can finish without it
-            for rid in list(joint.gathering):
-                self._ungather(joint, rid, CANCELLED, f"{CANCELLED}: D rank {rank.number}'s worker disconnected")
+        for joint in self._gatherer.detached(rank):  # no joint registration can finish without it
             for rid in list(self._of(joint).pending):
                 self.evict([joint], rid)
 
@@ -571,12 +492,7 @@ class Receiver:
     # ------------------------------------------------------------------ peers, timers
 
     def expire(self, now: float) -> None:
-        watchdog = self._settings.watchdog_s
-        for joint in self._joints.all():
-            for rid in [r for r, g in joint.gathering.items() if now - g.started_at >= watchdog]:
-                members = [m.number for m in joint.members]
-                self._ungather(joint, rid, "watchdog",
-                               f"watchdog: D ranks {members} did not all register it within {watchdog}s")
+        self._gatherer.expire(now)
         live = self._peers.live_daemons()
         for rank, table in list(self._tables.items()):
             for exp in table.expire(now, live):
@@ -670,7 +586,3 @@ class Receiver:
 
     def __repr__(self) -> str:
         return f"<Receiver ranks={len(self._tables)} unsettled={self.unsettled()}>"
-
-
-def _flat(block_ids: list[list[int]]) -> list[int]:
-    return [b for g in block_ids for b in g]

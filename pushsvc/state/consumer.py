@@ -48,6 +48,11 @@ class RecvState(Enum):
     LANDED = "landed"  # verify mode: every WRITE landed, P's digests not here yet
 
 
+def flat(block_ids: list[list[int]]) -> list[int]:
+    """Block ids of every KV-cache group, in one list (what a worker's event carries)."""
+    return [b for group in block_ids for b in group]
+
+
 @dataclass(slots=True)
 class Remote:
     engine_id: str
@@ -80,7 +85,7 @@ class PendingRecv:
 
     @property
     def flat_block_ids(self) -> list[int]:
-        return [b for group in self.block_ids for b in group]
+        return flat(self.block_ids)
 
     @property
     def seen(self) -> int:
