@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
+from pushsvc.protocol import worker as wp
 from pushsvc_connector.coordinates import DaemonCoordinates
 from pushsvc_connector.groups import TransferGroups
 from pushsvc_connector.kvshare import share_kv
@@ -73,6 +74,8 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
         check_parallelism(vllm_config.parallel_config, self._kv_transfer_config.kv_role)
         self._groups = transfer_groups(kv_cache_config)
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        # P: push each layer's KV while later layers compute (docs/connector.md).
+        self._layerwise = layerwise_setting(extra)
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
         self._coords: DaemonCoordinates | None = None
@@ -83,7 +86,8 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = PushScheduler(watchdog_s=float(extra.get("watchdog_s", DEFAULT_BACKSTOP_S)),
                                             lease_s=float(extra.get("lease_s", DEFAULT_BACKSTOP_S)),
                                             coordinates=self._coords.get if self._coords else lambda: None,
-                                            groups=self._groups)
+                                            groups=self._groups,
+                                            layerwise=self._layerwise and self._kv_transfer_config.is_kv_producer)
             return
         socket_path = extra.get("daemon_socket")
         if not socket_path:
@@ -116,8 +120,26 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
         # Raises DaemonRefused when the daemon refuses this worker (vLLM then fails to
         # start, with the daemon's reason); a daemon not there yet is retried later.
         assert self._worker is not None
-        self._worker.register(share_kv(kv_caches, self._kv_cache_config.num_blocks, self._groups,
-                                       kv_heads(self._kv_cache_config), replicated_layers(self._kv_cache_config)))
+        share = share_kv(kv_caches, self._kv_cache_config.num_blocks, self._groups, kv_heads(self._kv_cache_config),
+                         replicated_layers(self._kv_cache_config))
+        if self._layerwise and share.kind == "cuda":
+            share.close()
+            raise ValueError('PushsvcConnector: kv_connector_extra_config["layerwise_push"] needs the KV cache in '
+                             "host memory (vLLM CPU): on a GPU a layer's KV is final only when its kernels ran, "
+                             "which the daemon cannot see yet. Turn it off for GPU workers.")
+        self._worker.register(share)
+        if self._layerwise and self._worker.welcome is not None and not self._worker.client.supports(
+                wp.LAYERWISE_MINOR):
+            raise ValueError('PushsvcConnector: kv_connector_extra_config["layerwise_push"] needs a pushsvc daemon '
+                             f"at worker protocol 1.{wp.LAYERWISE_MINOR} or later; the one at "
+                             f"{self._worker.client.socket_path} is older")
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM binds the step's metadata before the forward pass, but may call
+        # start_load_kv only after it: layer-wise starts must reach the daemon first.
+        super().bind_connector_metadata(connector_metadata)
+        if self._layerwise and self._worker is not None and isinstance(connector_metadata, PushsvcMetadata):
+            self._worker.begin_step(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
@@ -129,10 +151,14 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
         return  # KV arrives whole, before the request is scheduled on D
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # P pushes whole requests once prefill finished
+        # Layer-wise push: this layer's KV of the step's finishing prefills is final (vLLM
+        # CPU computes it synchronously); otherwise P pushes whole requests once finished.
+        if self._layerwise and self._worker is not None:
+            self._worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        return
+        if self._layerwise and self._worker is not None:
+            self._worker.step_saved()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
@@ -168,7 +194,7 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         if self._coords is not None:
             self._coords.refresh()  # non-blocking; keeps P's coordinates fresh between requests
-        return self._scheduler.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
+        return self._scheduler.build_connector_meta(scheduler_output.total_num_scheduled_tokens, scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
@@ -249,6 +275,15 @@ def replicated_layers(kv_cache_config: Any) -> frozenset[str]:
     """The layers whose KV every TP rank holds whole: MLA's latent rows."""
     return frozenset(name for group in getattr(kv_cache_config, "kv_cache_groups", None) or ()
                      if isinstance(group.kv_cache_spec, MLAAttentionSpec) for name in group.layer_names)
+
+
+def layerwise_setting(extra: dict[str, Any]) -> bool:
+    """``kv_connector_extra_config["layerwise_push"]``: a bool (JSON true/false), nothing else."""
+    value = extra.get("layerwise_push", False)
+    if not isinstance(value, bool):
+        raise ValueError(f'PushsvcConnector: kv_connector_extra_config["layerwise_push"] must be true or false, '
+                         f"not {value!r}")
+    return value
 
 
 def check_parallelism(parallel_config: Any, kv_role: str | None = "kv_both") -> None:

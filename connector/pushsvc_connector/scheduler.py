@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from vllm.logger import init_logger
 
-from pushsvc.protocol.worker import RegisterRecv, SendReady
+from pushsvc.protocol.worker import RegisterRecv, SendReady, SendStart
 from pushsvc_connector.groups import TransferGroups
 from pushsvc_connector.metadata import PushsvcMetadata
 from pushsvc_connector.params import (
@@ -34,6 +34,7 @@ from pushsvc_connector.params import (
     params_of,
     remote_prefill,
 )
+from pushsvc_connector.prefills import Prefills
 from pushsvc_connector.stats import PushsvcConnectorStats
 
 if TYPE_CHECKING:
@@ -49,8 +50,11 @@ _TRUNCATED = "_pushsvc_prompt_truncated"  # P: kv_transfer_params mark of on_new
 class PushScheduler:
     def __init__(self, *, watchdog_s: float, lease_s: float, clock: Callable[[], float] = time.monotonic,
                  coordinates: Callable[[], dict[str, Any] | None] = lambda: None,
-                 groups: TransferGroups | None = None) -> None:
+                 groups: TransferGroups | None = None, layerwise: bool = False) -> None:
         self.watchdog_s = watchdog_s
+        # P, layer-wise push: the requests whose prefill ends in a step are told to the
+        # worker in that step's metadata (``SendStart``), not after they finished.
+        self._prefills = Prefills() if layerwise else None
         self._groups = groups or TransferGroups()
         # P: where D must register (the daemon's engine id and side channel), for the
         # kv_transfer_params P returns. None while the daemon cannot be asked.
@@ -105,6 +109,8 @@ class PushScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = params_of(request)
+        if params and params.get("do_remote_decode") and self._prefills is not None:
+            self._track_prefill(request, params)
         if not params or not params.get("do_remote_prefill"):
             return
         # Only the first call registers; a re-entry after the load must not.
@@ -132,6 +138,19 @@ class PushScheduler:
             match_key=self._given_match_key(rid, params),
         )
         self._recv_deadlines[rid] = self._clock() + self.watchdog_s
+
+    def _track_prefill(self, request: Request, params: dict[str, Any]) -> None:
+        """P, layer-wise: follow the request's blocks until the step that ends its prefill.
+        Its match key is fixed now (the exchange's, else one minted here and kept in its
+        params), since the worker hands it to the daemon before the request finishes."""
+        assert self._prefills is not None
+        rid = request.request_id
+        if check_request_id(rid) is not None:
+            return  # request_finished refuses it, counted there
+        key = self._given_match_key(rid, params)
+        if not key:
+            key = params["transfer_id"] = mint_match_key()
+        self._prefills.track(rid, request.num_prompt_tokens, key)
 
     # ------------------------------------------------------------------ both
 
@@ -167,8 +186,14 @@ class PushScheduler:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
+        started = self._prefills is not None and self._prefills.forget(rid)
         groups = self._groups.clip(_grouped(block_ids))
         if request.status.name not in _FINISHED_OK or not any(len(g) for g in groups):
+            if started:
+                # Its daemon may be WRITing its blocks already: held until the worker's
+                # Evict is answered (the deadline set at its start stays the backstop).
+                self._evictions.append(rid)
+                return True, None
             return False, None
         refusal = check_request_id(rid)
         if refusal is not None:
@@ -184,12 +209,22 @@ class PushScheduler:
         out.update(self._coordinates() or {})
         return True, out
 
-    def build_connector_meta(self, scheduled_tokens: int = 1) -> PushsvcMetadata:
+    def build_connector_meta(self, scheduled_tokens: int = 1, output: Any = None) -> PushsvcMetadata:
+        """This step's plan for the workers; ``output``: vLLM's ``SchedulerOutput`` (read
+        only for layer-wise push)."""
         now = self._clock()
         meta = PushsvcMetadata(recvs=self._new_recvs, sends=self._new_sends, evictions=self._evictions,
                                dropped_recvs=self._dropped, failed_recvs=self._failed, releases=self._releases)
         self._new_recvs, self._new_sends, self._evictions, self._dropped, self._failed, self._releases = (
             {}, {}, [], [], {}, [])
+        if self._prefills is not None and output is not None:
+            for rid, ending in self._prefills.finishing(output).items():
+                groups = self._groups.clip(ending.blocks)
+                if any(len(g) for g in groups):
+                    meta.layerwise[rid] = SendStart(request_id=rid, block_ids=groups, step=self._prefills.step,
+                                                    match_key=ending.match_key)
+                    self._send_deadlines[rid] = now + self.lease_s
+            meta.step = self._prefills.step
         meta.expired_recvs = [r for r, t in self._recv_deadlines.items() if t <= now]
         for rid in meta.expired_recvs:
             self._recv_deadlines.pop(rid, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pushsvc.protocol.worker import RegisterRecv, SendReady
+from pushsvc.protocol.worker import RegisterRecv, SendReady, SendStart
 
 
 @dataclass
@@ -32,8 +32,13 @@ class StepPlan:
     # No tokens scheduled this step: the engine is only stepping to hear about
     # transfers, so the worker may wait for the daemon instead of returning at once.
     idle: bool = False
+    # P, layer-wise push: requests whose prefill ends in this step; their KV becomes
+    # final layer by layer during its forward pass. Their later entry in ``sends`` (or
+    # ``evictions``) is the scheduler's word that they finished (or were dropped).
+    layerwise: dict[str, SendStart] = field(default_factory=dict)
+    step: int = 0  # this step's number, for ``LayerSaved``/``StepSaved`` (layer-wise only)
 
     @property
     def empty(self) -> bool:
         return not (self.recvs or self.sends or self.evictions or self.dropped_recvs or self.failed_recvs
-                    or self.expired_recvs or self.expired_sends or self.releases)
+                    or self.expired_recvs or self.expired_sends or self.releases or self.layerwise)

@@ -64,6 +64,11 @@ class _Transfer:
     held: bool = False  # outstanding on a connection that was lost
     evicted: bool = False  # D: vLLM dropped the request: release its blocks, do not fail them
     backstop: bool = False  # the scheduler's backstop fired: Evict sent, the final event awaited
+    # P, layer-wise: started while its prefill ran, so vLLM hears of it only once the
+    # scheduler said it finished (``ended``) and the daemon's final event came (``final``).
+    layerwise: bool = False
+    ended: bool = False
+    final: bool = False
 
 
 class PushWorker:
@@ -84,6 +89,10 @@ class PushWorker:
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        # P, layer-wise push: each registered layer name's index (``LayerSaved``), and the
+        # step whose forward pass is running with layer-wise requests in it.
+        self._layers: dict[str, int] = {}
+        self._open_step: int | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -91,6 +100,10 @@ class PushWorker:
         """Share the KV memory with the daemon. Raises ``DaemonRefused`` if the daemon
         refuses this worker; a daemon not there yet is retried from the engine steps."""
         self._share = share
+        self._layers = {}
+        for region in share.regions:
+            for name in region.layer_names:
+                self._layers.setdefault(name, len(self._layers))
         self._connect(startup=True)
 
     def _connect(self, startup: bool = False) -> bool:
@@ -174,6 +187,11 @@ class PushWorker:
                 transfer.evicted = True
                 if not transfer.held:  # a held one is evicted again once the daemon is back
                     evict.append(rid)
+            sending = self._sending.get(rid)
+            if sending is not None and sending.layerwise:  # P: aborted after its layer-wise push began
+                if not (sending.held or sending.final):
+                    evict.append(rid)
+                self._ended(rid, sending)
         if evict:
             self._send(wp.Evict(request_ids=evict))
         for rid, reg in meta.recvs.items():
@@ -185,10 +203,36 @@ class PushWorker:
                 self._load_errors.update(blocks)
                 self._done_recving.add(rid)
         for rid, ready in meta.sends.items():
-            if self._send(ready):
+            transfer = self._sending.get(rid)
+            if transfer is not None and transfer.layerwise:
+                self._ended(rid, transfer)  # its SendStart stood in for a SendReady
+            elif self._send(ready):
                 self._sending[rid] = _Transfer([])
             else:
                 self._done_sending.add(rid)
+
+    def begin_step(self, meta: StepPlan) -> None:
+        """Before the step's forward pass: the requests whose prefill ends in it
+        (``SendStart``; vLLM may call ``start_load_kv`` only after the forward pass)."""
+        self._open_step = None
+        for rid, start in meta.layerwise.items():
+            # An older daemon, or none: the request is pushed whole once it finished.
+            if self._available() and self.client.supports(wp.LAYERWISE_MINOR) and self._send(start):
+                self._sending[rid] = _Transfer([], layerwise=True)
+                self._open_step = meta.step
+
+    def layer_saved(self, name: str) -> None:
+        """vLLM saved layer ``name`` in this step's forward pass (``save_kv_layer``)."""
+        if self._open_step is not None:
+            index = self._layers.get(name)
+            if index is not None:
+                self._send(wp.LayerSaved(step=self._open_step, layer=index))
+
+    def step_saved(self) -> None:
+        """This step's forward pass ended (``wait_for_save``)."""
+        if self._open_step is not None:
+            self._send(wp.StepSaved(step=self._open_step))
+            self._open_step = None
 
     def get_finished(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """Completed transfers. With ``wait_s`` > 0 (an idle engine step) and transfers
@@ -251,7 +295,7 @@ class PushWorker:
         evict = []
         for rid in expired:
             transfer = table.get(rid)
-            if transfer is None:
+            if transfer is None or transfer.final:  # a final held for the scheduler's word: nothing to evict
                 continue
             if transfer.held:
                 self._release(rid, table, BACKSTOP, "the connector's backstop fired while the daemon was away")
@@ -286,8 +330,20 @@ class PushWorker:
         self._done_recving.add(rid)
 
     def _finish_send(self, rid: str) -> None:
-        if self._sending.pop(rid, None) is not None:
-            self._done_sending.add(rid)
+        transfer = self._sending.get(rid)
+        if transfer is None:
+            return
+        if transfer.layerwise and not transfer.ended:
+            transfer.final = True  # vLLM still runs it: told once the scheduler says it ended
+            return
+        del self._sending[rid]
+        self._done_sending.add(rid)
+
+    def _ended(self, rid: str, transfer: _Transfer) -> None:
+        """The scheduler finished (or dropped) a layer-wise request: reported with its final."""
+        transfer.ended = True
+        if transfer.final:
+            self._finish_send(rid)
 
     def _send(self, msg: wp.WorkerMessage) -> bool:
         if not self._available():

@@ -28,8 +28,8 @@ MatchKey = Annotated[str, msgspec.Meta(max_length=MATCH_KEY_MAX, pattern=r"^[A-Z
 
 MAGIC = b"PSVW"
 MAJOR = 1
-MINOR = 5  # 1.1: RegisterRecv.match_key, SendReady.match_key; 1.2: CudaIpcBuffers; 1.3: Region.heads/replicated;
-# 1.4: Reported; 1.5: Hello.pp_rank/pp_size
+MINOR = 6  # 1.1: RegisterRecv.match_key, SendReady.match_key; 1.2: CudaIpcBuffers; 1.3: Region.heads/replicated;
+# 1.4: Reported; 1.5: Hello.pp_rank/pp_size; 1.6: SendStart, LayerSaved, StepSaved (layer-wise push)
 # The first minor whose daemon accepts ``match_key``; a client sets it only for such a daemon.
 MATCH_KEY_MINOR = 1
 # The first minor whose daemon takes CUDA KV memory (``CudaIpcBuffers``).
@@ -37,6 +37,7 @@ CUDA_IPC_MINOR = 2
 HEADS_MINOR = 3  # a client sends Region.heads and .replicated only to a daemon at this minor or later
 REPORTED_MINOR = 4  # ... and ``Reported`` from this one on
 STAGES_MINOR = 5  # ... and ``Hello.pp_rank``/``pp_size`` (a worker of a pipeline-parallel engine needs it)
+LAYERWISE_MINOR = 6  # ... and ``SendStart``, ``LayerSaved``, ``StepSaved`` (layer-wise push)
 CUDA_IPC_HANDLE_BYTES = 64
 
 Role = Literal["producer", "consumer", "both"]
@@ -145,6 +146,32 @@ class SendReady(msgspec.Struct, tag="send_ready", **_opts):
     match_key: MatchKey = ""  # 1.1
 
 
+class SendStart(msgspec.Struct, tag="send_start", **_opts):
+    """1.6, P side, layer-wise push: the prefill of ``request_id`` ends in the forward pass
+    of step ``step``, which is starting; its KV lives in ``block_ids`` and becomes final
+    layer by layer (``LayerSaved``), all of it at the step's ``StepSaved``. Stands in for
+    ``SendReady``: the worker sends no ``SendReady`` for it."""
+
+    request_id: RequestId
+    block_ids: BlockIds
+    step: U64
+    match_key: MatchKey = ""
+
+
+class LayerSaved(msgspec.Struct, tag="layer_saved", **_opts):
+    """1.6: layer ``layer`` (the index among the distinct layer names of the worker's
+    registered regions, in their order) is final for the requests of step ``step``."""
+
+    step: U64
+    layer: Annotated[int, msgspec.Meta(ge=0, lt=16384)]
+
+
+class StepSaved(msgspec.Struct, tag="step_saved", **_opts):
+    """1.6: step ``step``'s forward pass ended: every layer of its requests is final."""
+
+    step: U64
+
+
 class Evict(msgspec.Struct, tag="evict", **_opts):
     """Drop all daemon state of these requests (aborted, lease reaped by the scheduler)."""
 
@@ -170,7 +197,8 @@ class Reported(msgspec.Struct, tag="reported", **_opts):
     at: Annotated[float, msgspec.Meta(ge=0.0, le=1e12)] = 0.0
 
 
-WorkerMessage = Union[Hello, RegisterKV, RegisterRecv, SendReady, Evict, Ping, Describe, Reported]
+WorkerMessage = Union[Hello, RegisterKV, RegisterRecv, SendReady, Evict, Ping, Describe, Reported, SendStart,
+                      LayerSaved, StepSaved]
 
 
 # ---------------------------------------------------------------- daemon -> worker

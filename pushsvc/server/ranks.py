@@ -159,6 +159,11 @@ class Rank:
         (``AgentInfo.source``; its TP rank where the engine has one stage)."""
         return self.stage * self.tp_size + self.number
 
+    def source_rank(self, decode_rank: int) -> int:
+        """``source_rank`` for a message to D about a registration of D's rank
+        ``decode_rank``: this P rank's source id, where it is not D's rank (else -1)."""
+        return self.source if self.source != decode_rank else -1
+
     def agent_info(self) -> pp.AgentInfo:
         memory = self.memory
         assert memory is not None

@@ -28,6 +28,7 @@ from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
+from pushsvc.server.layerwise import Layerwise
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
@@ -35,7 +36,7 @@ from pushsvc.server.remotes import registration_error
 from pushsvc.server.tasks import TaskSet
 from pushsvc.server.timelines import Timelines
 from pushsvc.server.staging import Staging
-from pushsvc.server.writes import Write, plan_push, post_parts, release_all, release_settled
+from pushsvc.server.writes import LayerPost, Write, plan_push, post_parts, release_all, release_settled
 from pushsvc.state.layout import check_block_ids
 from pushsvc.state.timeline import SEND
 from pushsvc.state.producer import (
@@ -87,6 +88,9 @@ class Sender:
         self._wake = wake
         self._ranks: dict[Rank, _RankSends] = {}
         self.staging = Staging(metrics=metrics, current=self._current, ready=self._post, failed=self._fail_push)
+        self.layerwise = Layerwise(metrics=metrics, timelines=timelines, peers=peers, verify=settings.verify,
+                                   writes=lambda rank: self._of(rank).writes, settle=self._settle_parts, wake=wake,
+                                   now=self._now)
 
     def _current(self, rank: Rank, match: Match) -> bool:
         state = self._ranks.get(rank)
@@ -105,9 +109,19 @@ class Sender:
     # ------------------------------------------------------------------ from the worker
 
     def on_send_ready(self, rank: Rank, msg: wp.SendReady) -> None:
+        self._stage(rank, msg.request_id, msg.block_ids, msg.match_key)
+
+    def on_send_start(self, rank: Rank, msg: wp.SendStart) -> None:
+        """Layer-wise push: ``msg.request_id``'s prefill ends in step ``msg.step``, now
+        running; its WRITE goes out layer by layer (``server/layerwise.py``)."""
+        self._stage(rank, msg.request_id, msg.block_ids, msg.match_key, msg.step)
+
+    def _stage(self, rank: Rank, rid: str, block_ids: list[list[int]], match_key: str, step: int | None = None
+               ) -> None:
+        """P's blocks of ``rid`` are final (or, with ``step``, become final layer by layer
+        in that step): stage them, and push at once if D's registration is here."""
         state = self._of(rank)
-        rid = msg.request_id
-        log.debug("send_ready", request_id=rid, rank=rank.number)
+        log.debug("send_ready" if step is None else "send_start", request_id=rid, rank=rank.number)
         if state.table.tracks(rid):
             # Before the block check: refusing it would fail the live request, and its
             # worker would free blocks a WRITE may still be reading.
@@ -116,20 +130,27 @@ class Sender:
         try:
             if rank.memory is None:
                 raise LayoutError("no KV memory registered for this rank")
-            check_block_ids(rank.memory.layout, msg.block_ids, "finished blocks")
+            check_block_ids(rank.memory.layout, block_ids, "finished blocks")
+            why = self.layerwise.refusal(rank, step) if step is not None else ""
+            if why:
+                raise LayoutError(why)
         except LayoutError as exc:
             self._metrics.malformed.labels("worker", "finished_blocks").inc()
             log.warning("send_rejected", request_id=rid, rank=rank.number, error=str(exc))
             self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason=str(exc)))
             return
-        self._timelines.open(rank, SEND, rid, "send_ready")
+        self._timelines.open(rank, SEND, rid, "send_ready" if step is None else "send_start")
+        if step is not None:
+            self.layerwise.start(rank, step, rid)  # before a match: the WRITE is then posted layer by layer
         self._drain(rank)  # a PUSH_REG may already be queued in the agent: read it first
-        result = state.table.add_staged(rid, msg.block_ids, self._now(), msg.match_key)
+        result = state.table.add_staged(rid, block_ids, self._now(), match_key)
         if result.outcome is StageOutcome.DUPLICATE:
             self._metrics.duplicates.labels("finished_blocks").inc()
         elif result.outcome is StageOutcome.RELEASED:
+            self.layerwise.drop(rank, rid)
             self._released(rank, rid, "D released the exchange before P's blocks were ready")
         elif result.outcome is StageOutcome.AMBIGUOUS:
+            self.layerwise.drop(rank, rid)
             self._ambiguous(rank, [rid], result.collided)
         elif result.match is not None:
             self._start_push(rank, result.match)
@@ -138,13 +159,27 @@ class Sender:
         """The worker dropped ``rid``: staged blocks are released at once; a WRITE in
         flight is not evictable (its SendDone/SendFailed follows)."""
         state = self._ranks.get(rank)
-        if state is not None and state.table.evict(rid, self._now()) is not None:
+        if state is None:
+            return
+        self.layerwise.drop(rank, rid)
+        if state.table.evict(rid, self._now()) is not None:
             log.info("evicted", request_id=rid, rank=rank.number)
             self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason="cancelled"))
+            return
+        write = state.writes.get(rid)
+        if write is not None and write.waiting_for_layers:
+            # Layers still to come will never be final for D: stop, fail once posted ones settled.
+            self.layerwise.stop(rank, write, ("cancelled", "P's request ended before its last layer was final"))
 
     def worker_detached(self, rank: Rank) -> None:
-        for rid in list(self._ranks[rank].table.staged) if rank in self._ranks else ():
+        state = self._ranks.get(rank)
+        if state is None:
+            return
+        for rid in list(state.table.staged):
             self.evict(rank, rid)
+        for write in [w for w in state.writes.values() if w.waiting_for_layers]:
+            self.layerwise.stop(rank, write, ("worker_gone", "P's worker left before the last layer was final"))
+        self.layerwise.forget(rank)
 
     # ------------------------------------------------------------------ from D
 
@@ -310,11 +345,16 @@ class Sender:
             self._fail_push(rank, match, peer, "layout_mismatch", "D's agent or P's KV memory is gone")
             return
         s = self._settings
+        # Layer-wise: the step that finishes its prefill is still running; posted as its
+        # layers become final, in one part, digests once all of it is.
+        progress = self.layerwise.progress(rank, match.request_id) if not staged else None
+        layered = progress is not None and not progress.complete
         try:
             joint = target.members > 1  # a joint agent of D's ranks: P's head slices, member by member
             remote = rank.remotes.layout(target, memory.joint_view(target.members) if joint else memory.layout)
             source = memory.joint_source(rank.agent, target.members) if joint else None  # once it fits D's
-            push = plan_push(memory, remote, match, target, peer.minor, s.part_bytes, s.verify, slot_ids, source)
+            push = plan_push(memory, remote, match, target, peer.minor, s.part_bytes, s.verify and not layered,
+                             slot_ids, source, whole=layered)
         except LayoutError as exc:
             self.staging.release(rank, staged)
             self._fail_push(rank, match, peer, "layout_mismatch", str(exc))
@@ -326,6 +366,11 @@ class Sender:
         # Wall clock, not loop.time(): uvloop caches the loop's time per iteration, and a
         # WRITE over shared memory may complete inside this very call.
         started = time.perf_counter()
+        if progress is not None and layered:
+            self.layerwise.begin(rank, match, peer, target.agent_name, LayerPost(
+                progress, push.plan, push.local, rank.remotes.dlist(target.agent_name), push.descs), self._now(),
+                started)
+            return
         handles, states, failed = post_parts(rank.agent, rank.remotes.dlist(target.agent_name),
                                              target.agent_name, push, reg.request_id, rank.tp_size)
         if not handles:
@@ -344,15 +389,25 @@ class Sender:
                   descriptors=len(push.plan.src_indices), parts=len(handles))
         if XferState.PROC in states or push.digests:
             self._peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank,
-                                                   source_rank=_source(rank, reg),
+                                                   source_rank=rank.source_rank(reg.decode_rank),
                                                    nbytes=push.plan.nbytes, digests=push.digests))
         self._settle_parts(rank, write, states)
         self._wake()
 
     def _settle_parts(self, rank: Rank, write: Write, states: list[XferState]) -> None:
-        """Release the parts of ``write`` that settled; once none is left, settle it."""
-        if release_settled(rank.agent, write, states):
-            self._settle(rank, write)
+        """Release the parts of ``write`` that settled; once none is left, settle it (a
+        layer-wise WRITE once all of it is posted, or it stopped)."""
+        if not release_settled(rank.agent, write, states):
+            return
+        layered = write.layered
+        if layered is not None and write.failed is None:
+            if not layered.all_posted:
+                if not write.cancelled:
+                    return  # the rest goes as its layers become final
+                write.failed = ("cancelled", "D withdrew the registration before the last layer was final")
+            else:
+                self.layerwise.complete(rank, write)
+        self._settle(rank, write)
 
     def _released(self, rank: Rank, rid: str, reason: str) -> None:
         """D released P's request (its own ended before it was scheduled): the blocks are
@@ -408,7 +463,7 @@ class Sender:
 
     def _tell_d(self, rank: Rank, peer: Peer, reg: notif.PushReg, reason: str) -> None:
         self._peers.send(peer, pp.PushFailed(request_id=reg.request_id, rank=reg.decode_rank, reason=reason[:4096],
-                                             source_rank=_source(rank, reg)))
+                                             source_rank=rank.source_rank(reg.decode_rank)))
 
     # ------------------------------------------------------------------ cancellation
 
@@ -447,7 +502,7 @@ class Sender:
         if peer is not None:
             self._peers.send(peer, pp.PushCancelled(request_id=registration.request_id,
                                                     rank=registration.reg.decode_rank,
-                                                    source_rank=_source(rank, registration.reg)))
+                                                    source_rank=rank.source_rank(registration.reg.decode_rank)))
 
     def refuse_registrations(self, rank: Rank, reason: str) -> None:
         """Drop the registrations ``rank`` holds unmatched and tell each D now."""
@@ -509,7 +564,10 @@ class Sender:
     def hot(self, rank: Rank, now: float, hot_max_s: float) -> bool:
         """A WRITE from this rank's memory is moving (for at most ``hot_max_s``)."""
         state = self._ranks.get(rank)
-        return (state is not None and any(now - w.posted_at < hot_max_s for w in state.writes.values())
+        # A layer-wise WRITE whose later layers are still being computed is not hot: the
+        # worker computing them needs the cores more than its posted layers need progress.
+        return (state is not None and any(now - w.posted_at < hot_max_s for w in state.writes.values()
+                                          if not w.waiting_for_layers)
                 or self.staging.hot(rank))
 
     def writes_in_flight(self) -> int:
@@ -530,6 +588,7 @@ class Sender:
     def forget(self, rank: Rank) -> None:
         """``rank`` is being closed: release the handles of WRITEs still posted (only at
         shutdown, after the drain, can any be left)."""
+        self.layerwise.forget(rank)
         state = self._ranks.pop(rank, None)
         for write in state.writes.values() if state else ():
             release_all(rank.agent, write)
@@ -541,9 +600,3 @@ class Sender:
 
     def __repr__(self) -> str:
         return f"<Sender ranks={len(self._ranks)} writes={self.writes_in_flight()}>"
-
-
-def _source(rank: Rank, reg: notif.PushReg) -> int:
-    """``source_rank`` for a message about ``reg``: this P rank's source id, where it is
-    not D's rank."""
-    return rank.source if rank.source != reg.decode_rank else -1

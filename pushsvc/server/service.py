@@ -189,13 +189,22 @@ class PushService:
                     b for g in msg.local_block_ids for b in g], reason="daemon shutting down"))
             else:
                 self.receiver.on_register_recv(rank, msg, self._predecessors(rank))
-        elif isinstance(msg, wp.SendReady):
+        elif isinstance(msg, (wp.SendReady, wp.SendStart)):
             if rank.role == "consumer":
                 raise ProtocolError("a consumer worker cannot send KV")
             if self.draining:
                 self._refuse(rank, wp.SendFailed(request_id=msg.request_id, reason="daemon shutting down"))
+            elif isinstance(msg, wp.SendStart):
+                self.sender.on_send_start(rank, msg)
             else:
                 self.sender.on_send_ready(rank, msg)
+        elif isinstance(msg, (wp.LayerSaved, wp.StepSaved)):
+            if rank.role == "consumer":
+                raise ProtocolError("a consumer worker cannot send KV")
+            if isinstance(msg, wp.LayerSaved):
+                self.sender.layerwise.layer_saved(rank, msg.step, msg.layer)
+            else:
+                self.sender.layerwise.step_saved(rank, msg.step)
         elif isinstance(msg, wp.Evict):
             ranks = [rank, *self._predecessors(rank)]
             for rid in msg.request_ids:

@@ -1,10 +1,10 @@
-"""P's WRITEs: planning one push, posting it in parts, releasing the parts as they
-settle. The NIXL calls of the Sender's WRITE path, kept apart from its matching and
-reporting (``sender.py``)."""
+"""P's WRITEs: planning one push, posting it in parts (or, layer-wise, piece by piece as
+its layers become final), releasing the parts as they settle. The NIXL calls of the
+Sender's WRITE path, kept apart from its matching and reporting (``sender.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
@@ -16,10 +16,47 @@ from pushsvc.protocol import peer as pp
 from pushsvc.server.ranks import RankMemory
 from pushsvc.server.verify import digest_memory
 from pushsvc.state.landing import parts_for
+from pushsvc.state.layerwise import Progress, postable
 from pushsvc.state.layout import Layout, WritePlan, plan_write, split_plan
 from pushsvc.state.producer import Match
 
 log = structlog.get_logger("pushsvc.sender")
+
+
+@dataclass(eq=False)
+class LayerPost:
+    """A matched layer-wise request's WRITE: planned whole, posted as its layers become
+    final."""
+
+    progress: Progress
+    plan: WritePlan
+    local: DListHandle
+    remote: DListHandle
+    descs: np.ndarray  # the source's descriptor table (P's digests, in verify mode, are over it)
+    posted: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.posted = np.zeros(len(self.plan.src_indices), dtype=bool)
+
+    @property
+    def all_posted(self) -> bool:
+        return self.progress.complete and bool(self.posted.all())
+
+    def post_final(self, agent: Agent) -> tuple[XferHandle | None, XferState, str]:
+        """Post the descriptors that are final and not posted yet, as one WRITE without a
+        notification: its handle (None if there was nothing to post), its first state, and
+        why it could not be posted ("" if it was)."""
+        assert self.plan.regions is not None
+        ready = postable(self.plan.regions, self.progress.final, self.posted)
+        if not ready.any():
+            return None, XferState.DONE, ""
+        try:
+            handle, state = agent.write(self.local, self.plan.src_indices[ready], self.remote,
+                                        self.plan.dst_indices[ready], b"")
+        except TransferError as exc:
+            return None, XferState.ERR, str(exc)
+        self.posted |= ready
+        return handle, state, ""
 
 
 @dataclass(slots=True, eq=False)
@@ -38,6 +75,14 @@ class Write:
     # Why a part failed (to post, or in NIXL), as (failure kind, reason): the push fails
     # with it once every part settled.
     failed: tuple[str, str] | None = None
+    # Layer-wise push: posted piece by piece as the request's layers become final; the
+    # completion goes once all of it landed (``server/layerwise.py``).
+    layered: LayerPost | None = None
+
+    @property
+    def waiting_for_layers(self) -> bool:
+        """Some of it is still to be posted, and nothing stopped it."""
+        return self.layered is not None and not self.layered.all_posted and self.failed is None and not self.cancelled
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,14 +91,16 @@ class PushPlan:
     parts: int
     digests: bytes  # verify mode: P's digests of the source blocks, else b""
     local: DListHandle  # the source descriptors: the worker's KV, or P's staging buffer
+    descs: np.ndarray  # ... and their table (what digests are computed over)
 
 
 def plan_push(memory: RankMemory, remote: Layout, match: Match, target: pp.AgentInfo, peer_minor: int,
               part_bytes: int, verify: bool, slot_ids: list[list[int]] | None = None,
-              source: tuple[Layout, np.ndarray, DListHandle] | None = None) -> PushPlan:
+              source: tuple[Layout, np.ndarray, DListHandle] | None = None, whole: bool = False) -> PushPlan:
     """What ``match`` WRITEs into ``target``: from the worker's blocks, or with ``slot_ids``
     from the staging slots its blocks were copied into; into a joint agent, from
-    ``source`` (``RankMemory.joint_source``). LayoutError if it cannot."""
+    ``source`` (``RankMemory.joint_source``). ``whole``: in one part, whatever the
+    target (a layer-wise push). LayoutError if it cannot."""
     staging = memory.staging if slot_ids is not None else None
     if target.members > 1:  # a joint agent of D ranks: P's head slices, member by member
         if staging is not None:
@@ -72,9 +119,9 @@ def plan_push(memory: RankMemory, remote: Layout, match: Match, target: pp.Agent
         raise LayoutError("D's registration names no block of P's layout")
     # A landing D copies each part out as it lands; others get one WRITE.
     parts = parts_for(plan.nbytes, part_bytes, plan.region_count) if (
-        target.parts and peer_minor >= pp.PARTS_MINOR) else 1
+        target.parts and peer_minor >= pp.PARTS_MINOR and not whole) else 1
     digests = digest_memory(descs, plan.src_indices, memory.vram) if verify else b""
-    return PushPlan(plan, parts, digests, local)
+    return PushPlan(plan, parts, digests, local, descs)
 
 
 def post_parts(agent: Agent, remote: DListHandle, remote_agent: str, push: PushPlan,

@@ -76,9 +76,10 @@ def _start_in_parallel(**starters: Any) -> dict[str, Proc]:
 
 
 def start_pd(workdir: Path, model_path: str, tokenizer: Any, flags: dict[str, tuple[str, ...]] | None = None,
-             *, with_refs: bool = True) -> Iterator[PD]:
+             *, with_refs: bool = True, prefill_extra: dict[str, Any] | None = None) -> Iterator[PD]:
     """Start a P/D stack (after the colocated reference outputs, unless ``with_refs`` is
-    false) and yield it; stopped on exit. ``flags`` are each daemon's, default lease and watchdog."""
+    false) and yield it; stopped on exit. ``flags`` are each daemon's, default lease and
+    watchdog; ``prefill_extra``: more of P's ``kv_connector_extra_config``."""
     progress = print  # shown with -s, and in the report of a failed test's setup
     reqs = build_requests(tokenizer, model_path)
     verify = _daemon_supports("--verify")
@@ -100,8 +101,8 @@ def start_pd(workdir: Path, model_path: str, tokenizer: Any, flags: dict[str, tu
         pdaemon = st.daemon("prefill", *flags["prefill"])
         ddaemon = st.daemon("decode", *flags["decode"])
         servers = _start_in_parallel(
-            prefill=lambda: st.vllm("vllm-p", model_path, kv_transfer_config=connector_config("kv_producer", pdaemon),
-                                    cpus="0"),
+            prefill=lambda: st.vllm("vllm-p", model_path, kv_transfer_config=connector_config(
+                "kv_producer", pdaemon, **(prefill_extra or {})), cpus="0"),
             decode=lambda: st.vllm("vllm-d", model_path, kv_transfer_config=connector_config("kv_consumer", ddaemon),
                                    cpus="1"),
         )
@@ -134,4 +135,5 @@ def pd_options() -> PDOptions:
 @pytest.fixture(scope="module")
 def pd(request: pytest.FixtureRequest, model_path: str, tokenizer: Any, pd_options: PDOptions) -> Iterator[PD]:
     with kept_on_failure(request) as workdir:
-        yield from start_pd(workdir, model_path, tokenizer, pd_options.flags, with_refs=pd_options.with_refs)
+        yield from start_pd(workdir, model_path, tokenizer, pd_options.flags, with_refs=pd_options.with_refs,
+                            prefill_extra=pd_options.prefill_extra)

@@ -200,6 +200,7 @@ class PDOptions:
 
     flags: dict[str, tuple[str, ...]] | None = None  # each daemon's flags; None: the default lease and watchdog
     with_refs: bool = True  # colocated reference outputs first (one more vLLM start)
+    prefill_extra: dict[str, object] | None = None  # more kv_connector_extra_config for P
 
 
 @dataclass

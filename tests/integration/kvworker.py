@@ -89,6 +89,22 @@ class KVWorker:
             self.client.send(wp.SendReady(request_id=cmd["request_id"], block_ids=cmd["block_ids"],
                                           match_key=cmd.get("match_key", "")))
             return {}
+        if op == "start":  # layer-wise push: the prefill of request_id ends in step ``step``
+            self.client.send(wp.SendStart(request_id=cmd["request_id"], block_ids=cmd["block_ids"],
+                                          step=cmd["step"], match_key=cmd.get("match_key", "")))
+            return {}
+        if op == "compute":  # the forward pass writes layer ``layer``'s final KV into ``blocks``
+            for r, region in enumerate(self.regions):
+                if region.layer_names == [_layer_name(self.args.first_layer + cmd["layer"])]:
+                    for b in cmd["blocks"]:
+                        self.write_block(r, b, pattern(cmd["seed"], r, b, self.args.block_len))
+            return {}
+        if op == "layer":
+            self.client.send(wp.LayerSaved(step=cmd["step"], layer=cmd["layer"]))
+            return {}
+        if op == "step":
+            self.client.send(wp.StepSaved(step=cmd["step"]))
+            return {}
         if op == "recv_many":
             # Many registrations in one command, so a stream is not paced by the test.
             pace = cmd.get("interval", 0.0)

@@ -163,3 +163,15 @@ def tables_empty(*daemons: DaemonProc, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def joint_announced(P: DaemonProc, D: DaemonProc) -> None:
+    """Wait until D's joint agent (D TP above P's) is one of the agents P knows."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        joints = D.live_info()["joints"]
+        peers = P.live_info()["peers"]
+        if joints and peers and joints[0]["agent"] in peers[0]["agents"]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"D's joint agent never reached P: {D.live_info()['joints']} {P.live_info()['peers']}")

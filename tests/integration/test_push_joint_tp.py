@@ -19,7 +19,7 @@ import time
 import pytest
 
 from kvworker import pattern
-from procs import tables_empty
+from procs import joint_announced, tables_empty
 
 pytestmark = pytest.mark.nixl
 
@@ -50,17 +50,6 @@ def _d_ranks(spawn, D, tp=2, **opts):
 def _recv(dw, P, rid, blocks, **extra):
     dw.call("recv", request_id=rid, block_ids=[blocks], remote_engine_id=P.engine_id, remote_host="127.0.0.1",
             remote_port=P.side_port, remote_tp_size=1, **extra)
-
-
-def _joint_announced(P, D) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        joints = D.live_info()["joints"]
-        peers = P.live_info()["peers"]
-        if joints and peers and joints[0]["agent"] in peers[0]["agents"]:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"D's joint agent never reached P: {D.live_info()['joints']} {P.live_info()['peers']}")
 
 
 def _never_written(P, D, pw, rid) -> None:
@@ -260,7 +249,7 @@ def test_a_replaced_d_worker_gets_a_new_joint_that_serves_the_next_request(spawn
     pw = _p_rank(spawn, P)
     d0, d1 = _d_ranks(spawn, D)
     _exchange(P, pw, [d0, d1], "cmpl-joint-before-restart", 2, 5)
-    _joint_announced(P, D)
+    joint_announced(P, D)
     first = D.live_info()["joints"][0]["agent"]
     d1.close()
     deadline = time.monotonic() + 5
@@ -270,7 +259,7 @@ def test_a_replaced_d_worker_gets_a_new_joint_that_serves_the_next_request(spawn
     d1 = spawn.worker(D, "consumer", layers=LAYERS, blocks=D_BLOCKS, rank=1, tp_size=2, seed=3,
                       block_len=P_BLOCK_LEN // 2, heads=HEADS // 2)
     assert d1.hello["ok"], d1.hello
-    _joint_announced(P, D)
+    joint_announced(P, D)
     assert D.live_info()["joints"][0]["agent"] != first
     assert first not in P.live_info()["peers"][0]["agents"], "P dropped the old joint agent"
     _exchange(P, pw, [d0, d1], "cmpl-joint-after-restart", 3, 4)

@@ -6,9 +6,10 @@ The oracle is the protocol's contract, checked input by input from the daemon's 
 
 * a payload the protocol's decoder refuses gets ``Error{code: "decode"}``; before hello
   the connection then closes, after hello it lives on;
-* a well-formed message is handled by type: ``Ping`` gets its ``Pong``, ``Evict`` and
-  ``Reported`` get nothing, ``RegisterRecv``/``SendReady`` without registered KV get ``RecvFailed``/
-  ``SendFailed``, a message out of place gets an ``Error``; before hello only ``Hello``
+* a well-formed message is handled by type: ``Ping`` gets its ``Pong``, ``Evict``,
+  ``Reported`` and ``StepSaved`` get nothing, ``RegisterRecv``/``SendReady``/``SendStart``
+  without registered KV get ``RecvFailed``/``SendFailed``, a message out of place (and
+  ``LayerSaved`` for a layer the worker never registered) gets an ``Error``; before hello only ``Hello``
   (``Welcome``) and ``Describe`` (``Welcome``, close) are accepted;
 * every refusal the worker hears of is counted once in
   ``pushsvc_malformed_inputs{source="worker"}``, and nothing is ever counted as
@@ -137,12 +138,12 @@ def _check_ready(payload: bytes, replies: list[Any], counts: dict[str, int]) -> 
         counts["decode"] += 1
     elif isinstance(msg, wp.Ping):
         assert replies == [wp.Pong(token=msg.token)]
-    elif isinstance(msg, (wp.Evict, wp.Reported)):
+    elif isinstance(msg, (wp.Evict, wp.Reported, wp.StepSaved)):
         assert replies == []
     elif isinstance(msg, wp.RegisterRecv):
         assert len(replies) == 1 and isinstance(replies[0], wp.RecvFailed), replies
         assert replies[0].request_id == msg.request_id
-    elif isinstance(msg, wp.SendReady):
+    elif isinstance(msg, (wp.SendReady, wp.SendStart)):
         assert len(replies) == 1 and isinstance(replies[0], wp.SendFailed), replies
         assert replies[0].request_id == msg.request_id
     else:  # Hello again, Describe, RegisterKV without its fds

@@ -46,6 +46,10 @@ WORKER_MESSAGES = [
     worker.Ping(),
     worker.Reported(sending=["a"], recving=["b", "c"], at=12345.678),
     worker.Reported(),
+    worker.SendStart(request_id="cmpl-p-1", block_ids=[[4, 5], [1]], step=2**63 - 1, match_key="xfer-1"),
+    worker.SendStart(request_id="r", block_ids=[], step=0),
+    worker.LayerSaved(step=3, layer=16383),
+    worker.StepSaved(step=3),
 ]
 
 DAEMON_MESSAGES = [
@@ -71,6 +75,9 @@ WORKER_TAGS = {
     worker.Ping: "ping",
     worker.Describe: "describe",
     worker.Reported: "reported",
+    worker.SendStart: "send_start",
+    worker.LayerSaved: "layer_saved",
+    worker.StepSaved: "step_saved",
     worker.Welcome: "welcome",
     worker.KVRegistered: "kv_registered",
     worker.RecvDone: "recv_done",
@@ -221,6 +228,14 @@ def test_valid_raw_maps_decode() -> None:
         pytest.param(_register_kv(memory=_cuda(buffers=[_ipc(size=-1)])), id="cuda-size-negative"),
         pytest.param(_register_kv(memory=_cuda(buffers=[{**_ipc(), "extra": 1}])), id="cuda-unknown-field"),
         pytest.param(_register_kv(memory=_cuda(device_uuid="0" * 16)), id="cuda-uuid-not-bytes"),
+        pytest.param({"t": "send_start", "request_id": "r", "block_ids": [[1]]}, id="send-start-no-step"),
+        pytest.param({"t": "send_start", "request_id": "r", "block_ids": [[1]], "step": -1}, id="step-negative"),
+        pytest.param({"t": "send_start", "request_id": "", "block_ids": [[1]], "step": 1}, id="send-start-empty-id"),
+        pytest.param({"t": "layer_saved", "step": 1, "layer": 16384}, id="layer-too-large"),
+        pytest.param({"t": "layer_saved", "step": 1, "layer": -1}, id="layer-negative"),
+        pytest.param({"t": "layer_saved", "step": 1}, id="layer-missing"),
+        pytest.param({"t": "step_saved", "step": 2**63}, id="step-over-u63"),
+        pytest.param({"t": "step_saved", "step": 1, "layer": 0}, id="step-saved-unknown-field"),
         pytest.param([1, 2, 3], id="array-not-map"),
         pytest.param("hello", id="string-not-map"),
     ],
@@ -241,6 +256,8 @@ def test_worker_decoder_accepts_bounds() -> None:
         _register_kv(region={"group": 63, "num_blocks": 2**31 - 1}, blocks_per_logical=1024),
         _register_kv(memory={"t": "memfd", "count": 64}),
         {"t": "evict", "request_ids": ["r"] * 65536},
+        {"t": "send_start", "request_id": "r" * 256, "block_ids": [[2**32 - 1]], "step": 2**63 - 1},
+        {"t": "layer_saved", "step": 0, "layer": 16383},
     ]
     for raw in ok:
         worker.worker_decoder.decode(pack(raw))

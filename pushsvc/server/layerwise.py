@@ -1,0 +1,201 @@
+"""P's layer-wise pushes: the requests of each running step, and the posting of a WRITE
+as its layers become final. Composed into the ``Sender``, which owns the tables and
+settles the WRITEs; the pure part is ``state/layerwise.py``. See docs/architecture.md,
+"Layer-wise push (P)".
+
+A ``SendStart`` puts the request into its step here; ``LayerSaved`` and ``StepSaved`` say
+which of the step's layers are final. A request matched meanwhile gets a ``LayerPost``
+on its ``Write``: the whole WRITE planned once, posted piece by piece, without a
+notification, as its source regions become final. Once every piece is posted and has
+landed, D hears ``WriteStarted`` (with the digests in verify mode) and the completion.
+Once the step ended, every request of it is complete and the step is forgotten (a
+request matched later is pushed whole).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from pushsvc.engine.base import XferState
+from pushsvc.errors import ProtocolError, TransferError
+from pushsvc.metrics import Metrics
+from pushsvc.protocol import notif
+from pushsvc.protocol import peer as pp
+from pushsvc.server.peers import Peer, PeerLink
+from pushsvc.server.ranks import Rank
+from pushsvc.server.timelines import Timelines
+from pushsvc.server.verify import digest_memory
+from pushsvc.server.writes import LayerPost, Write
+from pushsvc.state.layerwise import LayerMap, Progress
+from pushsvc.state.producer import Match
+from pushsvc.state.stages import keys
+from pushsvc.state.timeline import SEND
+
+log = structlog.get_logger("pushsvc.sender")
+
+MAX_OPEN_STEPS = 16  # per rank: steps whose StepSaved has not come (vLLM runs one, or two pipelined)
+MAX_STEP_REQUESTS = 65536  # requests one step may start
+
+Settle = Callable[[Rank, Write, list[XferState]], None]
+
+
+@dataclass(eq=False)
+class _Step:
+    requests: dict[str, Progress] = field(default_factory=dict)  # by P's request id
+
+
+class Layerwise:
+    def __init__(self, *, metrics: Metrics, timelines: Timelines, peers: PeerLink, verify: bool,
+                 writes: Callable[[Rank], dict[str, Write]], settle: Settle, wake: Callable[[], None],
+                 now: Callable[[], float]) -> None:
+        self._metrics = metrics
+        self._timelines = timelines
+        self._peers = peers
+        self._verify = verify
+        self._writes = writes  # the rank's posted WRITEs, by P's request id
+        self._settle = settle  # release what settled of a WRITE; settle it once nothing is left
+        self._wake = wake
+        self._now = now
+        self._maps: dict[Rank, LayerMap] = {}
+        self._steps: dict[Rank, dict[int, _Step]] = {}
+
+    def _map(self, rank: Rank) -> LayerMap:
+        layers = self._maps.get(rank)
+        if layers is None:
+            assert rank.memory is not None
+            layers = self._maps[rank] = LayerMap(keys(r.layer_names for r in rank.memory.regions))
+        return layers
+
+    # ------------------------------------------------------------------ steps
+
+    def refusal(self, rank: Rank, step: int) -> str:
+        """Why ``rank`` cannot start a layer-wise request in ``step``, or ''."""
+        if rank.memory is None:
+            return "no KV memory registered for this rank"
+        if rank.memory.mem_type != "DRAM":
+            return ("layer-wise push needs the KV cache in host memory: on a GPU a layer is final only when its "
+                    "kernels ran, which the daemon cannot see (turn layerwise_push off)")
+        steps = self._steps.get(rank, {})
+        if step not in steps and len(steps) >= MAX_OPEN_STEPS:
+            return f"layer-wise push: {len(steps)} steps of this worker never said StepSaved"
+        if step in steps and len(steps[step].requests) >= MAX_STEP_REQUESTS:
+            return f"layer-wise push: step {step} started {MAX_STEP_REQUESTS} requests already"
+        return ""
+
+    def start(self, rank: Rank, step: int, rid: str) -> None:
+        """``rid`` finishes its prefill in ``step`` (``refusal`` said it may)."""
+        self._steps.setdefault(rank, {}).setdefault(step, _Step()).requests[rid] = Progress(self._map(rank))
+
+    def progress(self, rank: Rank, rid: str) -> Progress | None:
+        """``rid``'s layers, while the step that finishes its prefill is running."""
+        for step in self._steps.get(rank, {}).values():
+            progress = step.requests.get(rid)
+            if progress is not None:
+                return progress
+        return None
+
+    def layer_saved(self, rank: Rank, step: int, layer: int) -> None:
+        """Layer ``layer`` of ``step`` is final: post what it makes final. ProtocolError
+        for a layer the worker did not register."""
+        layers = self._map(rank) if rank.memory is not None else None
+        if layers is None or not 0 <= layer < layers.layers:
+            raise ProtocolError(f"layer {layer}: this worker registered {layers.layers if layers else 0} layers")
+        current = self._steps.get(rank, {}).get(step)
+        if current is not None:  # else a step none of whose requests is layer-wise any more
+            changed = [rid for rid, progress in current.requests.items() if progress.save(layer)]
+            self._prefilled(rank, [rid for rid, progress in current.requests.items() if progress.complete])
+            self._post_final(rank, changed)
+
+    def step_saved(self, rank: Rank, step: int) -> None:
+        """``step``'s forward pass ended: its requests are complete and the step is
+        forgotten; post what was still pending."""
+        current = self._steps.get(rank, {}).pop(step, None)
+        if current is not None:
+            changed = [rid for rid, progress in current.requests.items() if progress.finish()]
+            self._prefilled(rank, list(current.requests))
+            self._post_final(rank, changed)
+
+    def _prefilled(self, rank: Rank, rids: list[str]) -> None:
+        """Every layer of ``rids`` is final: P's prefill of them is done (the timeline keeps
+        the first time, so a request marked at its last layer keeps that moment)."""
+        for rid in rids:
+            self._timelines.mark(rank, SEND, rid, "prefill_done")
+
+    def drop(self, rank: Rank, rid: str) -> None:
+        """``rid`` ended before its step did (evicted, refused)."""
+        for step in self._steps.get(rank, {}).values():
+            step.requests.pop(rid, None)
+
+    def forget(self, rank: Rank) -> None:
+        self._maps.pop(rank, None)
+        self._steps.pop(rank, None)
+
+    def open_steps(self, rank: Rank) -> int:
+        return len(self._steps.get(rank, {}))
+
+    # ------------------------------------------------------------------ the WRITE
+
+    def begin(self, rank: Rank, match: Match, peer: Peer, remote_agent: str, layered: LayerPost, now: float,
+              started: float) -> None:
+        """A layer-wise request matched: its WRITE, with what is final now (maybe nothing)."""
+        self._metrics.match_wait_seconds.observe(now - match.staged.staged_at)
+        write = Write(match, [], remote_agent, layered.plan.nbytes, now, started, layered=layered)
+        self._writes(rank)[match.request_id] = write
+        self._metrics.transfer_blocks.inc(layered.plan.logical_blocks)
+        log.debug("write_planned", request_id=match.request_id, peer=peer.engine_id, bytes=layered.plan.nbytes,
+                  descriptors=len(layered.plan.src_indices), layerwise=True)
+        self._post_more(rank, write, now)
+
+    def _post_final(self, rank: Rank, rids: list[str]) -> None:
+        """Layers of ``rids`` became final: post what that allows of their WRITEs."""
+        writes = self._writes(rank)
+        for rid in rids:
+            write = writes.get(rid)
+            if write is not None and write.waiting_for_layers:
+                self._post_more(rank, write, self._now())
+
+    def _post_more(self, rank: Rank, write: Write, now: float) -> None:
+        layered = write.layered
+        assert layered is not None
+        rid = write.match.request_id
+        handle, xstate, failed = layered.post_final(rank.agent)
+        if failed:
+            write.failed = ("write_submit_failed", failed)
+        elif handle is not None:
+            write.handles.append(handle)
+            write.posted_at = now
+            self._metrics.write_parts.inc()
+            self._timelines.mark(rank, SEND, rid, "write_posted")
+        earlier = write.handles[:-1] if handle is not None else write.handles
+        self._settle(rank, write, [rank.agent.state(h) for h in earlier] + ([xstate] if handle is not None else []))
+        self._wake()
+
+    def stop(self, rank: Rank, write: Write, failure: tuple[str, str]) -> None:
+        """Post nothing more of a layer-wise WRITE: it fails once what was posted settled."""
+        write.failed = write.failed or failure
+        self._settle(rank, write, [rank.agent.state(h) for h in write.handles])
+
+    def complete(self, rank: Rank, write: Write) -> None:
+        """All of a layer-wise WRITE landed: D hears of it (the digests first, in verify
+        mode), then gets the completion, as a notification of its own."""
+        layered = write.layered
+        assert layered is not None
+        reg = write.match.registration.reg
+        memory = rank.memory
+        digests = digest_memory(layered.descs, layered.plan.src_indices, memory.vram) if (
+            self._verify and memory is not None) else b""
+        peer = self._peers.find_agent(write.remote_agent)
+        if peer is not None:
+            self._peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank,
+                                                   source_rank=rank.source_rank(reg.decode_rank),
+                                                   nbytes=write.nbytes, digests=digests))
+        try:
+            rank.agent.send_notif(write.remote_agent, notif.encode_completion(reg.request_id, rank.tp_size))
+        except TransferError as exc:
+            write.failed = ("write_failed", f"the completion could not be sent: {exc}")
+
+    def __repr__(self) -> str:
+        return f"<Layerwise ranks={len(self._steps)} steps={sum(len(s) for s in self._steps.values())}>"

@@ -1,0 +1,80 @@
+"""Layer-wise push (pure): which of a rank's regions a saved layer makes final, and which
+descriptors of a planned WRITE may go.
+
+A worker names a layer by its index among the distinct layer names of the regions it
+registered, in their order (``LayerMap``), so both sides derive the numbering from the
+same list. A region is final once every layer it names is saved; a region that names
+none only when the whole step is (``Progress.finish``). A planned WRITE's descriptor may
+be posted once its source region is final: ``plan.regions`` numbers the source layout's
+regions, which for a joint agent repeats the rank's regions once per member, hence the
+modulo. See docs/architecture.md, "Layer-wise push (P)".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pushsvc.state.stages import LayerKey
+
+
+class LayerMap:
+    """The layers of one rank's regions (``keys``: each region's layer names, in order)."""
+
+    def __init__(self, keys: Sequence[LayerKey]) -> None:
+        order: dict[str, int] = {}
+        for key in keys:
+            for name in key:
+                order.setdefault(name, len(order))
+        self.names = tuple(order)
+        self.regions = len(keys)
+        self.needs = tuple(tuple(order[n] for n in key) for key in keys)  # the layers each region waits for
+        by_layer: list[list[int]] = [[] for _ in order]
+        for r, need in enumerate(self.needs):
+            for layer in need:
+                by_layer[layer].append(r)
+        self.regions_of = tuple(tuple(rs) for rs in by_layer)  # the regions each layer is part of
+
+    @property
+    def layers(self) -> int:
+        return len(self.names)
+
+
+class Progress:
+    """One request's layers in the step that finishes its prefill."""
+
+    def __init__(self, layers: LayerMap) -> None:
+        self.map = layers
+        self._saved = np.zeros(layers.layers, dtype=bool)
+        self.final = np.zeros(layers.regions, dtype=bool)  # per region of the rank
+
+    def save(self, layer: int) -> bool:
+        """Layer ``layer`` is final (``0 <= layer < map.layers``, checked by the caller);
+        True if a region became final with it."""
+        if self._saved[layer]:
+            return False
+        self._saved[layer] = True
+        changed = False
+        for r in self.map.regions_of[layer]:
+            if not self.final[r] and self._saved[list(self.map.needs[r])].all():
+                self.final[r] = True
+                changed = True
+        return changed
+
+    def finish(self) -> bool:
+        """The step ended: every region is final; True if one was not before."""
+        changed = not self.final.all()
+        self.final[:] = True
+        self._saved[:] = True
+        return changed
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.final.all())
+
+
+def postable(plan_regions: np.ndarray, final: np.ndarray, posted: np.ndarray) -> np.ndarray:
+    """The descriptors of a plan (``plan_regions``: each one's source region) whose region
+    is final (``final``, per region of the rank) and that are not ``posted`` yet."""
+    return final[plan_regions % len(final)] & ~posted

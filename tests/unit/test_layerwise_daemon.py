@@ -1,0 +1,261 @@
+"""Layer-wise push through two real daemons (fake engine, real sockets and memfds).
+
+P's worker holds four layers (K and V regions of each, named by layer). For a request
+whose prefill ends in a step, it says ``SendStart``, then "computes" each layer (writes
+its final bytes into the layer's regions) and says ``LayerSaved``, then ``StepSaved``.
+The fake engine copies at the moment a WRITE is posted, so a layer posted before it was
+final would reach D with its old bytes: the tests compare D's memory with P's final bytes
+and with what each layer held before it was computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from daemon_fixtures import (
+    D_ENGINE,
+    LONG_S,
+    P_ENGINE,
+    WAIT_S,
+    Worker,
+    assert_tables_empty,
+    http_get,
+    metric,
+    running_daemon,
+    wait_until,
+)
+from gpu_fixtures import gpu_pair
+
+from pushsvc.engine.fake import FakeEngine
+from pushsvc.protocol import worker as wp
+from pushsvc.shm import SharedBuffer
+
+LAYERS = 4
+BLOCK = 64
+P_BLOCKS, D_BLOCKS = 8, 12
+
+
+class LayerWorker(Worker):
+    """A worker whose regions are the K and V of ``LAYERS`` named layers, in one buffer."""
+
+    async def start_layers(self, blocks: int, seed: int) -> None:
+        await self.connect()
+        self.num_blocks, self.block_len = blocks, BLOCK
+        self.buffer = SharedBuffer.create(2 * LAYERS * blocks * BLOCK)
+        data = np.random.default_rng(seed).integers(0, 256, self.buffer.size, dtype=np.uint8).tobytes()
+        ctypes.memmove(self.buffer.address, data, len(data))
+        self.initial = self.snapshot()
+        regions = [wp.Region(buffer=0, offset=r * blocks * BLOCK, block_len=BLOCK, num_blocks=blocks,
+                             layer_names=[f"model.layers.{r // 2}.self_attn"]) for r in range(2 * LAYERS)]
+        await asyncio.to_thread(self.client.register_kv, [self.buffer.fd], regions)
+
+    def compute(self, layer: int, blocks: list[int], salt: int) -> None:
+        """The forward pass writes layer ``layer``'s final KV into ``blocks``."""
+        assert self.buffer is not None
+        for region in (2 * layer, 2 * layer + 1):
+            for b in blocks:
+                data = bytes([(salt + region * 7 + b) % 256]) * BLOCK
+                ctypes.memmove(self.buffer.address + (region * self.num_blocks + b) * BLOCK, data, BLOCK)
+
+    def region_block(self, image: np.ndarray, region: int, block: int) -> bytes:
+        start = (region * self.num_blocks + block) * BLOCK
+        return image[start:start + BLOCK].tobytes()
+
+
+@contextlib.asynccontextmanager
+async def layer_pair(**config) -> AsyncIterator[tuple]:
+    fake = FakeEngine()
+    async with running_daemon(fake, P_ENGINE, **config) as p, running_daemon(fake, D_ENGINE, **config) as d:
+        pw, dw = LayerWorker(p, "producer"), LayerWorker(d, "consumer")
+        try:
+            await pw.start_layers(P_BLOCKS, seed=1)
+            await dw.start_layers(D_BLOCKS, seed=2)
+            yield fake, p, d, pw, dw
+        finally:
+            pw.close()
+            dw.close()
+
+
+def _recv(p, dw: LayerWorker, rid: str, blocks: list[int]) -> None:
+    dw.send(wp.RegisterRecv(request_id=rid, local_block_ids=[blocks], remote_engine_id=P_ENGINE,
+                            remote_host="127.0.0.1", remote_port=p.service.peers.port))
+
+
+async def _registered(p, n: int = 1) -> None:
+    await wait_until(lambda: metric(p, "pushsvc_notifications_total", kind="push_reg") >= n, "PUSH_REG at P")
+
+
+def _landed(pw: LayerWorker, dw: LayerWorker, p_blocks: list[int], d_blocks: list[int], layer: int) -> bool:
+    """Whether D's blocks hold P's current bytes of ``layer`` (both of its regions)."""
+    p_now, d_now = pw.snapshot(), dw.snapshot()
+    return all(pw.region_block(p_now, r, s) == dw.region_block(d_now, r, t)
+               for r in (2 * layer, 2 * layer + 1) for s, t in zip(p_blocks, d_blocks))
+
+
+def _untouched(dw: LayerWorker, d_blocks: list[int], layer: int) -> bool:
+    d_now = dw.snapshot()
+    assert dw.initial is not None
+    return all(dw.region_block(d_now, r, t) == dw.region_block(dw.initial, r, t)
+               for r in (2 * layer, 2 * layer + 1) for t in d_blocks)
+
+
+@pytest.mark.asyncio
+async def test_each_layer_goes_once_final_and_d_hears_once_the_last_one_landed() -> None:
+    async with layer_pair() as (_fake, p, d, pw, dw):
+        p_blocks, d_blocks = [1, 4, 6], [10, 0, 7]
+        _recv(p, dw, "d-1", d_blocks)
+        await _registered(p)
+        pw.send(wp.SendStart(request_id="d-1", block_ids=[p_blocks], step=7))
+        for layer in range(LAYERS):
+            await wait_until(lambda: all(_untouched(dw, d_blocks, later) for later in range(layer, LAYERS)),
+                             "nothing of a layer before it is final")
+            pw.compute(layer, p_blocks, salt=layer * 31)
+            pw.send(wp.LayerSaved(step=7, layer=layer))
+            await wait_until(lambda: _landed(pw, dw, p_blocks, d_blocks, layer), f"layer {layer} at D")
+            if layer < LAYERS - 1:
+                await dw.quiet_for(0.05)  # no RecvDone while layers are missing
+        # Every region is final with the last layer: the completion needs no StepSaved.
+        assert await dw.wait_for(wp.RecvDone, "d-1")
+        assert all(_landed(pw, dw, p_blocks, d_blocks, layer) for layer in range(LAYERS))
+        assert await pw.wait_for(wp.SendDone, "d-1")
+        pw.send(wp.StepSaved(step=7))  # after the push ended: nothing left to do
+        await pw.quiet_for(0.05)
+        assert metric(p, "pushsvc_write_parts_total") == LAYERS, "one WRITE per layer, no more"
+        assert metric(p, "pushsvc_transfers_total", result="done") == 1
+        status, body = await http_get(p, "/v1/requests?request_id=d-1")
+        assert status == 200
+        events = body["timelines"][0]["events_ms"]
+        assert sorted(events, key=events.get) == ["send_start", "matched", "write_posted", "prefill_done",
+                                                  "write_settled", "send_done"]
+        await assert_tables_empty(p, d)
+
+
+@pytest.mark.asyncio
+async def test_a_registration_that_comes_mid_step_takes_what_is_final_then_the_rest() -> None:
+    async with layer_pair() as (_fake, p, d, pw, dw):
+        p_blocks, d_blocks = [2, 3], [5, 6]
+        pw.send(wp.SendStart(request_id="mid", block_ids=[p_blocks], step=1))
+        for layer in (0, 1):
+            pw.compute(layer, p_blocks, salt=90 + layer)
+            pw.send(wp.LayerSaved(step=1, layer=layer))
+        await wait_until(lambda: p.service.sender.layerwise.progress(p.service.ranks.current[0], "mid") is not None
+                         and p.service.sender.layerwise.progress(p.service.ranks.current[0], "mid").final.sum() == 4,
+                         "layers 0 and 1 saved at P")
+        _recv(p, dw, "mid", d_blocks)
+        await wait_until(lambda: _landed(pw, dw, p_blocks, d_blocks, 0) and _landed(pw, dw, p_blocks, d_blocks, 1),
+                         "the final layers at once")
+        assert _untouched(dw, d_blocks, 2) and _untouched(dw, d_blocks, 3)
+        for layer in (2, 3):
+            pw.compute(layer, p_blocks, salt=90 + layer)
+        pw.send(wp.StepSaved(step=1))  # the rest, without a LayerSaved of their own
+        assert await dw.wait_for(wp.RecvDone, "mid")
+        assert all(_landed(pw, dw, p_blocks, d_blocks, layer) for layer in range(LAYERS))
+        assert await pw.wait_for(wp.SendDone, "mid")
+        await assert_tables_empty(p, d)
+
+
+@pytest.mark.asyncio
+async def test_a_registration_after_the_step_is_pushed_whole() -> None:
+    async with layer_pair() as (_fake, p, d, pw, dw):
+        pw.send(wp.SendStart(request_id="late", block_ids=[[0, 1]], step=3))
+        for layer in range(LAYERS):
+            pw.compute(layer, [0, 1], salt=5)
+        pw.send(wp.StepSaved(step=3))
+        await wait_until(lambda: p.service.sender.layerwise.open_steps(p.service.ranks.current[0]) == 0, "step ended")
+        _recv(p, dw, "late", [8, 9])
+        assert await dw.wait_for(wp.RecvDone, "late")
+        assert all(_landed(pw, dw, [0, 1], [8, 9], layer) for layer in range(LAYERS))
+        assert metric(p, "pushsvc_write_parts_total") == 1, "one WRITE: the step had ended"
+        assert await pw.wait_for(wp.SendDone, "late")
+
+
+@pytest.mark.asyncio
+async def test_verify_mode_digests_the_final_bytes() -> None:
+    async with layer_pair(verify=True) as (_fake, p, d, pw, dw):
+        _recv(p, dw, "v", [1, 2, 3])
+        await _registered(p)
+        pw.send(wp.SendStart(request_id="v", block_ids=[[4, 5, 6]], step=2))
+        for layer in range(LAYERS):
+            pw.compute(layer, [4, 5, 6], salt=200 + layer)
+            pw.send(wp.LayerSaved(step=2, layer=layer))
+        pw.send(wp.StepSaved(step=2))
+        assert await dw.wait_for(wp.RecvDone, "v")
+        assert metric(d, "pushsvc_verify_total", result="identical") == 1
+        assert metric(d, "pushsvc_verify_blocks_total", result="identical") == 3 * 2 * LAYERS
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("who", ["p_evicts", "p_worker_leaves", "d_withdraws"])
+async def test_a_push_stopped_mid_step_writes_nothing_more_and_both_sides_hear(who: str) -> None:
+    async with layer_pair() as (_fake, p, d, pw, dw):
+        p_blocks, d_blocks = [0, 7], [3, 11]
+        _recv(p, dw, "x", d_blocks)
+        await _registered(p)
+        pw.send(wp.SendStart(request_id="x", block_ids=[p_blocks], step=4))
+        pw.compute(0, p_blocks, salt=17)
+        pw.send(wp.LayerSaved(step=4, layer=0))
+        await wait_until(lambda: _landed(pw, dw, p_blocks, d_blocks, 0), "layer 0 at D")
+        if who == "p_evicts":
+            pw.send(wp.Evict(request_ids=["x"]))
+            failed = await pw.wait_for(wp.SendFailed, "x")
+            assert failed.reason.startswith("cancelled: P's request ended before its last layer was final")
+            event = await dw.wait_for(wp.RecvFailed, "x")
+            assert "push_failed_remote" in event.reason and sorted(event.block_ids) == sorted(d_blocks)
+        elif who == "p_worker_leaves":
+            pw.close()
+            event = await dw.wait_for(wp.RecvFailed, "x")
+            assert "worker_gone" in event.reason, event
+        else:
+            dw.send(wp.Evict(request_ids=["x"]))
+            event = await dw.wait_for(wp.RecvFailed, "x")
+            assert event.reason == "cancelled", event
+            failed = await pw.wait_for(wp.SendFailed, "x")
+            assert failed.reason.startswith("cancelled: D withdrew the registration before the last layer"), failed
+        if who != "p_worker_leaves":
+            for layer in (1, 2, 3):  # later layers become final: none of them may reach D now
+                pw.compute(layer, p_blocks, salt=40)
+                pw.send(wp.LayerSaved(step=4, layer=layer))
+            pw.send(wp.StepSaved(step=4))
+            await pw.ping(1)  # the daemon has read all of it
+        assert all(_untouched(dw, d_blocks, layer) for layer in (1, 2, 3))
+        assert metric(p, "pushsvc_transfers_total", result="failed") == 1
+        await assert_tables_empty(p, d)
+
+
+@pytest.mark.asyncio
+async def test_bad_layer_messages_are_refused_and_the_connection_stays() -> None:
+    async with layer_pair(lease_s=LONG_S) as (_fake, p, d, pw, dw):
+        pw.send(wp.LayerSaved(step=1, layer=LAYERS))  # the worker registered 4 layers
+        error = await pw.wait_for(wp.Error)
+        assert "layer 4: this worker registered 4 layers" in error.message
+        dw.send(wp.SendStart(request_id="c", block_ids=[[0]], step=1))
+        error = await dw.wait_for(wp.Error)
+        assert "a consumer worker cannot send KV" in error.message
+        dw.send(wp.StepSaved(step=1))
+        assert "a consumer worker cannot send KV" in (await dw.wait_for(wp.Error)).message
+        pw.send(wp.SendStart(request_id="oob", block_ids=[[P_BLOCKS]], step=1))
+        failed = await pw.wait_for(wp.SendFailed, "oob")
+        assert "finished blocks" in failed.reason
+        for step in range(16):  # steps that never end: bounded
+            pw.send(wp.SendStart(request_id=f"s{step}", block_ids=[[0]], step=100 + step))
+        pw.send(wp.SendStart(request_id="one-too-many", block_ids=[[0]], step=200))
+        failed = await pw.wait_for(wp.SendFailed, "one-too-many", timeout=WAIT_S)
+        assert "16 steps of this worker never said StepSaved" in failed.reason
+        await pw.ping(2)
+        await dw.ping(3)
+
+
+@pytest.mark.asyncio
+async def test_a_cuda_rank_refuses_layer_wise_push() -> None:
+    """KV on a GPU (the device faked in host memory): a layer is final only when its
+    kernels ran, which the daemon cannot see, so the request is refused, naming why."""
+    async with gpu_pair() as (pair, _devmem):
+        pair.pw.send(wp.SendStart(request_id="g", block_ids=[[0]], step=1))
+        failed = await pair.pw.wait_for(wp.SendFailed, "g")
+        assert "layer-wise push needs the KV cache in host memory" in failed.reason
+        assert pair.p.service.sender.layerwise.open_steps(pair.p.service.ranks.current[0]) == 0

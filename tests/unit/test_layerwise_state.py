@@ -1,0 +1,55 @@
+"""Layer-wise push, the pure part (``state/layerwise.py``): which regions a saved layer
+makes final, and which descriptors of a plan may go."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pushsvc.state.layerwise import LayerMap, Progress, postable
+from pushsvc.state.stages import keys
+
+
+def test_layers_are_numbered_by_first_appearance_in_region_order() -> None:
+    layers = LayerMap(keys([["b"], ["b"], ["a"], ["a", "c"], []]))
+    assert layers.names == ("b", "a", "c") and layers.layers == 3 and layers.regions == 5
+    assert layers.regions_of == ((0, 1), (2, 3), (3,))
+
+
+def test_a_region_is_final_once_every_layer_it_names_is_and_unnamed_ones_at_the_end() -> None:
+    progress = Progress(LayerMap(keys([["b"], ["b"], ["a"], ["a", "c"], []])))
+    assert progress.save(1) and list(progress.final) == [False, False, True, False, False]
+    assert not progress.save(1), "saved twice: nothing new"
+    assert progress.save(2) and list(progress.final) == [False, False, True, True, False]
+    assert progress.save(0) and not progress.complete, "the region naming no layer waits for the step's end"
+    assert progress.finish() and progress.complete and not progress.finish()
+
+
+def test_postable_maps_a_joints_repeated_regions_back_and_skips_what_went() -> None:
+    final = np.array([True, False])
+    plan_regions = np.array([0, 0, 1, 1, 2, 2, 3, 3])  # two members, two regions each
+    posted = np.zeros(8, dtype=bool)
+    assert list(postable(plan_regions, final, posted)) == [True, True, False, False, True, True, False, False]
+    posted[:2] = True
+    assert list(postable(plan_regions, final, posted)) == [False, False, False, False, True, True, False, False]
+
+
+@given(st.integers(1, 6), st.data())
+def test_saving_every_layer_in_any_order_posts_each_descriptor_exactly_once(layers: int, data) -> None:
+    names = [f"l{i}" for i in range(layers)]
+    regions = data.draw(st.lists(st.sampled_from(names).map(lambda n: [n]), min_size=1, max_size=12))
+    layer_map = LayerMap(keys(regions))
+    plan_regions = np.array(data.draw(st.lists(st.integers(0, len(regions) - 1), max_size=40)), dtype=np.int64)
+    progress = Progress(layer_map)
+    posted = np.zeros(len(plan_regions), dtype=bool)
+    order = data.draw(st.permutations(range(layer_map.layers)))
+    for layer in order:
+        progress.save(layer)
+        ready = postable(plan_regions, progress.final, posted)
+        assert not (ready & posted).any()
+        # Only descriptors of regions whose layer was saved so far.
+        saved = {layer_map.names[i] for i in order[:order.index(layer) + 1]}
+        assert all(regions[r][0] in saved for r in plan_regions[ready])
+        posted |= ready
+    assert progress.complete and posted.all()
