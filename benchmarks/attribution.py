@@ -5,9 +5,11 @@ builds its own request ids from (``cmpl-<id>-0``, with a suffix of its own at ti
 
 Phases, in path order (milliseconds):
 
-* ``p_queue_prefill``: the proxy got the request -> P's worker handed its blocks to its
-  daemon (``send_ready``): P's queue and prefill, and the proxy's forwarding.
-* ``transfer``: ``send_ready`` -> P's WRITE settled (a wait for D's registration included).
+* ``p_queue_prefill``: the proxy got the request -> P's prefill ended: P's worker handed
+  its blocks to its daemon (``send_ready``), or, with layer-wise push, the request's last
+  layer was saved (``prefill_done``). P's queue and prefill, and the proxy's forwarding.
+* ``transfer``: the prefill's end -> P's WRITE settled (a wait for D's registration
+  included; with layer-wise push only what was left after the last layer).
 * ``d_notified``: WRITE settled -> D's worker got ``RecvDone`` (completion notification, D's
   landing copy on a GPU, the daemon's final event).
 * ``d_reported``: ``RecvDone`` -> D's connector handed the request to vLLM as
@@ -17,7 +19,10 @@ Phases, in path order (milliseconds):
   request, its first step, the API server (from ``RecvDone`` where the connector did not
   report).
 * ``proxy_out``: D's first bytes -> the first chunk sent to the client.
-* ``ttft``: the proxy got the request -> the first chunk sent.
+
+And two totals: ``after_prefill`` (the prefill's end -> the first chunk sent: what P/D
+adds to P's prefill, TTFT - ``p_queue_prefill``) and ``ttft`` (the proxy got the request
+-> the first chunk sent).
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ from datetime import datetime
 from pathlib import Path
 
 # phase -> (from moment, to moment), the moments as ``attribute`` names them
-_SPANS = {"p_queue_prefill": ("arrival", "send_ready"), "transfer": ("send_ready", "write_settled"),
+_SPANS = {"p_queue_prefill": ("arrival", "prefill_end"), "transfer": ("prefill_end", "write_settled"),
           "d_notified": ("write_settled", "recv_done"), "d_reported": ("recv_done", "reported"),
-          "d_first_step": ("reported", "first_bytes"),
-          "proxy_out": ("first_bytes", "sent"), "ttft": ("arrival", "sent")}
-PHASES = tuple(_SPANS)
+          "d_first_step": ("reported", "first_bytes"), "proxy_out": ("first_bytes", "sent"),
+          "after_prefill": ("prefill_end", "sent"), "ttft": ("arrival", "sent")}
+TOTALS = ("after_prefill", "ttft")
+PHASES = tuple(k for k in _SPANS if k not in TOTALS)  # one after the other, from arrival to the first chunk
 
 
 def _at(line: dict, event: str) -> float | None:
@@ -63,7 +69,7 @@ def attribute(proxy: list[dict], p: list[dict], d: list[dict]) -> dict[str, dict
             continue
         t = {
             "arrival": datetime.fromisoformat(line["start"]).timestamp(),
-            "send_ready": _at(send, "send_ready"),
+            "prefill_end": _at(send, "prefill_done") or _at(send, "send_ready"),
             "write_settled": _at(send, "write_settled"),
             "recv_done": _at(recv, "recv_done"),
             "reported": _at(recv, "finished_recving") or _at(recv, "recv_done"),
@@ -78,7 +84,7 @@ def attribute(proxy: list[dict], p: list[dict], d: list[dict]) -> dict[str, dict
 def medians(per_request: dict[str, dict[str, float]]) -> dict[str, float]:
     """p50 of each phase over the requests that have it, and how many requests joined."""
     out: dict[str, float] = {"requests": len(per_request)}
-    for phase in PHASES:
+    for phase in (*PHASES, *TOTALS):
         values = [v[phase] for v in per_request.values() if phase in v]
         if values:
             out[phase] = round(statistics.median(values), 3)

@@ -27,7 +27,9 @@ from pushsvc.tinymodel import ensure_tiny_model
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-DEPLOYMENTS = {"colocated": serving._colocated, "pushsvc": serving._pushsvc}
+DEPLOYMENTS = {"colocated": serving._colocated, "pushsvc": serving._pushsvc,
+               "pushsvc-layerwise": lambda stack, model: serving._pushsvc(stack, model, {"layerwise_push": True})}
+PD_DEPLOYMENTS = ("pushsvc", "pushsvc-layerwise")
 
 
 @dataclass(frozen=True)
@@ -85,20 +87,49 @@ def _by_point(res: dict) -> dict[tuple[int, int, str], dict]:
 
 
 def table(res: dict) -> str:
+    """One row per input length, concurrency and P/D deployment, beside colocated's TTFT."""
     runs = _by_point(res)
-    head = ["input", "c", "TTFT colocated", "TTFT pushsvc", "ratio", "p90/p50 pushsvc", *attribution.PHASES[:-1]]
+    head = ["input", "c", "deployment", "TTFT colocated", "TTFT P/D", "ratio", "p90/p50 P/D", *attribution.PHASES,
+            "after_prefill"]
     rows = []
     for point in res["points"]:
         key = (point["input_len"], point["concurrency"])
-        col, pd = runs.get((*key, "colocated")), runs.get((*key, "pushsvc"))
-        if col is None or pd is None:
-            continue
-        ph = pd["phases_p50_ms"] or {}
-        rows.append([str(key[0]), str(key[1]), f"{col['ttft_p50_ms']:.1f}", f"{pd['ttft_p50_ms']:.1f}",
-                     f"{pd['ttft_p50_ms'] / col['ttft_p50_ms']:.2f}x", f"{pd['ttft_p90_ms'] / pd['ttft_p50_ms']:.2f}",
-                     *(f"{ph[k]:.1f}" if k in ph else "-" for k in attribution.PHASES[:-1])])
+        col = runs.get((*key, "colocated"))
+        for name in PD_DEPLOYMENTS:
+            pd = runs.get((*key, name))
+            if col is None or pd is None:
+                continue
+            ph = pd["phases_p50_ms"] or {}
+            rows.append([str(key[0]), str(key[1]), name, f"{col['ttft_p50_ms']:.1f}", f"{pd['ttft_p50_ms']:.1f}",
+                         f"{pd['ttft_p50_ms'] / col['ttft_p50_ms']:.2f}x",
+                         f"{pd['ttft_p90_ms'] / pd['ttft_p50_ms']:.2f}",
+                         *(f"{ph[k]:.1f}" if k in ph else "-" for k in (*attribution.PHASES, "after_prefill"))])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join([*lines, *("| " + " | ".join(r) + " |" for r in rows)])
+
+
+def layerwise_goal(res: dict, layers: int) -> list[str]:
+    """Per point with both P/D deployments: layer-wise push's P/D TTFT - P's prefill
+    (``after_prefill`` p50) against one layer's transfer (whole-request push's transfer
+    p50 / ``layers``) plus one D step (layer-wise's TPOT p50)."""
+    runs = _by_point(res)
+    out = []
+    for point in res["points"]:
+        key = (point["input_len"], point["concurrency"])
+        whole, lw = runs.get((*key, "pushsvc")), runs.get((*key, "pushsvc-layerwise"))
+        if whole is None or lw is None:
+            continue
+        after = (lw["phases_p50_ms"] or {}).get("after_prefill")
+        transfer = (whole["phases_p50_ms"] or {}).get("transfer")
+        step = lw.get("tpot_p50_ms")
+        if after is None or transfer is None or step is None:
+            continue
+        bound = transfer / layers + step
+        out.append(f"in{key[0]} c={key[1]}: layer-wise TTFT - prefill {after:.1f} ms vs one layer's transfer "
+                   f"{transfer / layers:.2f} + one D step {step:.1f} = {bound:.1f} ms: "
+                   f"{'met' if after <= bound else 'not met'} (whole-request push: "
+                   f"{(whole['phases_p50_ms'] or {}).get('after_prefill', float('nan')):.1f} ms)")
+    return out
 
 
 def chart(res: dict, path: Path) -> Path | None:
@@ -113,6 +144,7 @@ def chart(res: dict, path: Path) -> Path | None:
     points = [(p["input_len"], p["concurrency"]) for p in res["points"]
               if (p["input_len"], p["concurrency"], "pushsvc") in runs and (p["input_len"], p["concurrency"],
                                                                              "colocated") in runs]
+    layerwise = [runs.get((*key, "pushsvc-layerwise")) for key in points]
     if not points:
         return None
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(points)), 4))
@@ -120,10 +152,13 @@ def chart(res: dict, path: Path) -> Path | None:
         ax.bar(i - 0.2, runs[(*key, "colocated")]["ttft_p50_ms"], 0.38, color="0.6",
                label="colocated TTFT p50" if i == 0 else None)
         bottom = 0.0
-        for j, phase in enumerate(attribution.PHASES[:-1]):
+        for j, phase in enumerate(attribution.PHASES):
             value = (runs[(*key, "pushsvc")]["phases_p50_ms"] or {}).get(phase, 0.0)
             ax.bar(i + 0.2, value, 0.38, bottom=bottom, color=f"C{j}", label=phase if i == 0 else None)
             bottom += value
+        if layerwise[i] is not None:
+            ax.plot([i + 0.01, i + 0.39], [layerwise[i]["ttft_p50_ms"]] * 2, color="k", linewidth=2,
+                    label="layer-wise push TTFT p50" if i == 0 else None)
     ax.set_xticks(range(len(points)), [f"{n} tok\nc={c}" for n, c in points])
     ax.set_ylabel("ms (p50)")
     ax.set_title("pushsvc P/D TTFT by phase vs colocated (vLLM's serving client)")
@@ -134,6 +169,10 @@ def chart(res: dict, path: Path) -> Path | None:
     return path
 
 
+def _layers(model: str) -> int:
+    return int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="output folder (default bench-results/latency-<time>)")
@@ -142,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--prompts", type=int, default=16, help="requests per input length and concurrency")
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--deployments", default="colocated,pushsvc")
+    ap.add_argument("--deployments", default="colocated,pushsvc,pushsvc-layerwise")
     ap.add_argument("--run-timeout-s", type=float, default=900.0)
     args = ap.parse_args(argv)
     out = Path(args.out or ROOT / "bench-results" / f"latency-{datetime.now():%Y%m%d-%H%M%S}").resolve()
@@ -158,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown deployment {name!r}; known: {sorted(DEPLOYMENTS)}")
         res["deployments"].append(run_deployment(name, model, points, args, out))
         (out / "latency.json").write_text(json.dumps(res, indent=2))
-    text = table(res)
+    goal = layerwise_goal(res, _layers(model))
+    text = "\n".join([table(res), "", *goal])
     print(text)
     (out / "latency.md").write_text(text + "\n")
     png = chart(res, out / "latency.png")

@@ -168,12 +168,13 @@ def _nixl(mode: str, prog_thread: bool, extra: dict, name: str) -> Callable[[Ben
     return start
 
 
-def _pushsvc(stack: BenchStack, model: str) -> Deployment:
+def _pushsvc(stack: BenchStack, model: str, p_extra: dict | None = None) -> Deployment:
+    """pushsvc's P/D; ``p_extra``: more of P's ``kv_connector_extra_config``."""
     pd = stack.daemon("pushsvc-daemon-p", "--log-level", "warning")
     dd = stack.daemon("pushsvc-daemon-d", "--log-level", "warning")
     p, d = _together(stack, {
         "pushsvc-p": lambda: stack.vllm("pushsvc-p", model, cpus="0", extra=VLLM_EXTRA,
-                                        kv_transfer_config=connector_config("kv_producer", pd)),
+                                        kv_transfer_config=connector_config("kv_producer", pd, **(p_extra or {}))),
         "pushsvc-d": lambda: stack.vllm("pushsvc-d", model, cpus="1", extra=VLLM_EXTRA,
                                         kv_transfer_config=connector_config("kv_consumer", dd)),
     })
@@ -312,7 +313,7 @@ def run_anchor(anchor: Anchor, model: str, workdir: Path, prompt_sets: dict[str,
                 if where:
                     log(f"  {anchor.name} {wl.prompt_set} c={wl.concurrency} TTFT p50 by phase (ms, "
                         f"{where['requests']:.0f} requests): " + ", ".join(
-                            f"{k} {where[k]}" for k in attribution.PHASES if k in where))
+                            f"{k} {where[k]}" for k in (*attribution.PHASES, *attribution.TOTALS) if k in where))
                 errors = [r.error for r in results if not r.ok]
                 if errors:
                     log(f"  {anchor.name} {wl.prompt_set} c={wl.concurrency}: {len(errors)} failed, e.g. {errors[0]}")

@@ -33,7 +33,7 @@ def test_phases_follow_one_request_across_the_three_timelines() -> None:
     got = attribution.attribute(proxy, p, d)
     # run-p1's connector did not report (an older daemon): D's first step counts from RecvDone.
     assert got["run-p1"] == {"p_queue_prefill": 30.0, "transfer": 4.0, "d_notified": 2.0, "d_reported": 0.0,
-                             "d_first_step": 34.0, "proxy_out": 1.0, "ttft": 71.0}
+                             "d_first_step": 34.0, "proxy_out": 1.0, "after_prefill": 41.0, "ttft": 71.0}
     assert got["run-p10"]["p_queue_prefill"] == 5.0
     assert (got["run-p10"]["d_reported"], got["run-p10"]["d_first_step"]) == (2.0, 17.0)
     assert attribution.medians(got)["requests"] == 2 and attribution.medians(got)["ttft"] == 51.0
@@ -45,7 +45,18 @@ def test_a_request_without_all_three_sides_or_moments_is_left_out_or_partial() -
     d = [_daemon("cmpl-a-0", "recv", 0, registered=0, recv_failed=3)]
     got = attribution.attribute(proxy, p, d)
     assert set(got) == {"a"}  # b has no daemon side
-    assert got["a"] == {"p_queue_prefill": 1.0, "proxy_out": 0.0, "ttft": 20.0}
+    assert got["a"] == {"p_queue_prefill": 1.0, "proxy_out": 0.0, "after_prefill": 19.0, "ttft": 20.0}
+
+
+def test_with_layer_wise_push_the_prefill_ends_at_its_last_layer() -> None:
+    """``prefill_done`` (every layer saved) ends P's prefill, not the step's start
+    (``send_start``), and the transfer counts only what was left after it."""
+    proxy = [_proxy("lw", decode_first_chunk=60, first_chunk_sent=61)]
+    p = [_daemon("cmpl-lw-0", "send", 10, send_start=0, matched=1, write_posted=2, prefill_done=40,
+                 write_settled=41.5)]
+    d = [_daemon("cmpl-lw-0", "recv", 5, registered=0, recv_done=47)]
+    got = attribution.attribute(proxy, p, d)["lw"]
+    assert (got["p_queue_prefill"], got["transfer"], got["after_prefill"]) == (50.0, 1.5, 11.0)
 
 
 def test_the_proxy_log_is_read_for_its_timelines_only(tmp_path) -> None:

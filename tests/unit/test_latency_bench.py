@@ -50,7 +50,21 @@ def test_the_table_sets_pushsvc_phases_beside_colocated() -> None:
                                                     "phases_p50_ms": {"p_queue_prefill": 60.0, "transfer": 4.0}}]}]}
     lines = latency.table(res).splitlines()
     assert len(lines) == 3  # the 1024-token point has no runs: no row
-    assert lines[2].startswith("| 256 | 1 | 50.0 | 75.0 | 1.50x | 1.20 | 60.0 | 4.0 | - |")
+    assert lines[2].startswith("| 256 | 1 | pushsvc | 50.0 | 75.0 | 1.50x | 1.20 | 60.0 | 4.0 | - |")
+
+
+def test_the_layer_wise_goal_is_one_layers_transfer_and_one_d_step() -> None:
+    run = {"input_len": 1024, "concurrency": 1, "completed": 16, "failed": 0, "ttft_p50_ms": 1.0, "ttft_p90_ms": 1.0}
+    res = {"points": [{"input_len": 1024, "concurrency": 1}],
+           "deployments": [
+               {"deployment": "pushsvc", "runs": [{**run, "phases_p50_ms": {"transfer": 16.0, "after_prefill": 40.0}}]},
+               {"deployment": "pushsvc-layerwise", "runs": [{**run, "tpot_p50_ms": 10.0,
+                                                              "phases_p50_ms": {"after_prefill": 11.5}}]}]}
+    assert latency.layerwise_goal(res, layers=8) == [
+        "in1024 c=1: layer-wise TTFT - prefill 11.5 ms vs one layer's transfer 2.00 + one D step 10.0 = 12.0 ms: "
+        "met (whole-request push: 40.0 ms)"]
+    res["deployments"][1]["runs"][0]["phases_p50_ms"]["after_prefill"] = 12.5
+    assert "not met" in latency.layerwise_goal(res, layers=8)[0]
 
 
 def test_the_wrapper_runs_vllms_own_serving_client(capsys) -> None:
