@@ -91,12 +91,12 @@ def _kv_layout(total_blocks: int):
     return tensors, Layout(tuple(regions))
 
 
-def _anchor_target(conn, total_blocks: int) -> None:
+def _anchor_target(conn, total_blocks: int, ucx_mode: str = "peer") -> None:
     from pushsvc.engine.nixl import NixlEngine
     from pushsvc.state.layout import descriptor_table
 
     tensors, layout = _kv_layout(total_blocks)
-    agent = NixlEngine(["UCX"]).create_agent("anchor-target")
+    agent = NixlEngine(["UCX"], ucx_error_handling_mode=ucx_mode).create_agent("anchor-target")
     agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], "VRAM", 0)
     conn.send((agent.metadata(), descriptor_table(layout, 0), layout))
     agent.add_remote(conn.recv())
@@ -113,17 +113,18 @@ def _anchor_target(conn, total_blocks: int) -> None:
     agent.close()
 
 
-def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int) -> dict:
+def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int,
+                ucx_mode: str = "peer") -> dict:
     from nixl_pair import timed_write  # benchmarks/
     from pushsvc.engine.nixl import NixlEngine
     from pushsvc.state.layout import descriptor_table, plan_write
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_anchor_target, args=(child, total_blocks))
+    proc = ctx.Process(target=_anchor_target, args=(child, total_blocks, ucx_mode))
     proc.start()
     tensors, layout = _kv_layout(total_blocks)
-    agent = NixlEngine(["UCX"]).create_agent("anchor-initiator")
+    agent = NixlEngine(["UCX"], ucx_error_handling_mode=ucx_mode).create_agent("anchor-initiator")
     agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], "VRAM", 0)
     meta, remote_descs, remote_layout = parent.recv()
     parent.send(agent.metadata())
@@ -232,7 +233,8 @@ def timeline_medians(p_daemon, d_daemon, rids: list[str]) -> dict[str, float]:
 
 
 def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int, small_reps: int,
-                log_level: str = "warning", part_mib: int | None = None, staging_mib: int = 0) -> dict:
+                log_level: str = "warning", part_mib: int | None = None, staging_mib: int = 0,
+                ucx_mode: str = "peer") -> dict:
     from procs import start_daemon
 
     base = Path(tempfile.mkdtemp(prefix="psbench-gpu-"))
@@ -240,9 +242,10 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     parts = ("--write-part-mib", str(part_mib)) if part_mib is not None else ()
     if staging_mib:
         parts += ("--staging-mib", str(staging_mib))
-    p_daemon = start_daemon(base, "prefill", "--gpu", "on", "--log-level", log_level, *parts, timeout=120)
+    mode = ("--ucx-error-handling-mode", ucx_mode)
+    p_daemon = start_daemon(base, "prefill", "--gpu", "on", "--log-level", log_level, *parts, *mode, timeout=120)
     d_daemon = start_daemon(base, "decode", "--gpu", "on", "--log-level", log_level, "--landing-mib",
-                            str(landing_mib), timeout=120)
+                            str(landing_mib), *mode, timeout=120)
     p = _Proc(p_daemon, "producer", total_blocks, 1)
     d = _Proc(d_daemon, "consumer", total_blocks, 2)
     out: dict = {"push": {}, "exposed": {}, "parts": {}}
@@ -342,6 +345,8 @@ def main() -> None:
                     help="P's write_part_mib (default: the daemon's own default)")
     ap.add_argument("--staging-mib", type=int, default=0,
                     help="P's staging_mib: P copies blocks into its own buffer and WRITEs from there")
+    ap.add_argument("--ucx-error-handling-mode", default="peer", choices=["peer", "none"],
+                    help="the daemons' and the in-process anchor's UCX error handling (docs/architecture.md)")
     ap.add_argument("--phases", action="store_true",
                     help="daemon push only, daemons logging at debug: where each push's time goes")
     args = ap.parse_args()
@@ -352,7 +357,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.phases:
         push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug",
-                           part_mib=args.part_mib, staging_mib=args.staging_mib)
+                           part_mib=args.part_mib, staging_mib=args.staging_mib,
+                           ucx_mode=args.ucx_error_handling_mode)
         (out_dir / "gpu_phases.json").write_text(json.dumps(push["phases"], indent=2))
         for rid, ev in list(push["phases"].items())[:: max(1, len(push["phases"]) // 40)]:
             print(rid, " ".join(f"{k}={v}" for k, v in sorted(ev.items(), key=lambda kv: kv[1])))
@@ -366,10 +372,10 @@ def main() -> None:
     print("torch copy ...", flush=True)
     copy = torch_copy(sizes, args.repeats)
     print("in-process NIXL ...", flush=True)
-    anchor = nixl_anchor(sizes, total, patterns, args.repeats)
+    anchor = nixl_anchor(sizes, total, patterns, args.repeats, args.ucx_error_handling_mode)
     print("daemon push ...", flush=True)
     push = daemon_push(sizes, total, patterns, args.repeats, args.small, part_mib=args.part_mib,
-                       staging_mib=args.staging_mib)
+                       staging_mib=args.staging_mib, ucx_mode=args.ucx_error_handling_mode)
     rows = []
     for pattern in patterns:
         for n in sizes:

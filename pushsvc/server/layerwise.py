@@ -97,6 +97,11 @@ class Layerwise:
                 return progress
         return None
 
+    def pending(self, rank: Rank, rid: str) -> Progress | None:
+        """``rid``'s layers where some are not final yet (its WRITE goes layer by layer)."""
+        progress = self.progress(rank, rid)
+        return progress if progress is not None and not progress.complete else None
+
     def layer_saved(self, rank: Rank, step: int, layer: int) -> None:
         """Layer ``layer`` of ``step`` is final: post what it makes final. ProtocolError
         for a layer the worker did not register."""

@@ -108,18 +108,12 @@ class Sender:
 
     # ------------------------------------------------------------------ from the worker
 
-    def on_send_ready(self, rank: Rank, msg: wp.SendReady) -> None:
-        self._stage(rank, msg.request_id, msg.block_ids, msg.match_key)
-
-    def on_send_start(self, rank: Rank, msg: wp.SendStart) -> None:
-        """Layer-wise push: ``msg.request_id``'s prefill ends in step ``msg.step``, now
-        running; its WRITE goes out layer by layer (``server/layerwise.py``)."""
-        self._stage(rank, msg.request_id, msg.block_ids, msg.match_key, msg.step)
-
-    def _stage(self, rank: Rank, rid: str, block_ids: list[list[int]], match_key: str, step: int | None = None
-               ) -> None:
-        """P's blocks of ``rid`` are final (or, with ``step``, become final layer by layer
-        in that step): stage them, and push at once if D's registration is here."""
+    def on_send_ready(self, rank: Rank, msg: wp.SendReady | wp.SendStart) -> None:
+        """P's blocks of ``msg.request_id`` are final, or (``SendStart``, layer-wise push)
+        become final layer by layer in the step now running: stage them, and push at once
+        if D's registration is here."""
+        rid, block_ids = msg.request_id, msg.block_ids
+        step = msg.step if isinstance(msg, wp.SendStart) else None
         state = self._of(rank)
         log.debug("send_ready" if step is None else "send_start", request_id=rid, rank=rank.number)
         if state.table.tracks(rid):
@@ -143,7 +137,7 @@ class Sender:
         if step is not None:
             self.layerwise.start(rank, step, rid)  # before a match: the WRITE is then posted layer by layer
         self._drain(rank)  # a PUSH_REG may already be queued in the agent: read it first
-        result = state.table.add_staged(rid, block_ids, self._now(), match_key)
+        result = state.table.add_staged(rid, block_ids, self._now(), msg.match_key)
         if result.outcome is StageOutcome.DUPLICATE:
             self._metrics.duplicates.labels("finished_blocks").inc()
         elif result.outcome is StageOutcome.RELEASED:
@@ -341,14 +335,13 @@ class Sender:
         target = peer.agents.get(match.registration.sender)
         memory = rank.memory
         if target is None or memory is None:
-            self.staging.release(rank, staged)
-            self._fail_push(rank, match, peer, "layout_mismatch", "D's agent or P's KV memory is gone")
+            self._unposted(rank, match, peer, staged, "layout_mismatch", "D's agent or P's KV memory is gone")
             return
         s = self._settings
         # Layer-wise: the step that finishes its prefill is still running; posted as its
         # layers become final, in one part, digests once all of it is.
-        progress = self.layerwise.progress(rank, match.request_id) if not staged else None
-        layered = progress is not None and not progress.complete
+        pending = self.layerwise.pending(rank, match.request_id) if not staged else None
+        layered = pending is not None
         try:
             joint = target.members > 1  # a joint agent of D's ranks: P's head slices, member by member
             remote = rank.remotes.layout(target, memory.joint_view(target.members) if joint else memory.layout)
@@ -356,26 +349,23 @@ class Sender:
             push = plan_push(memory, remote, match, target, peer.minor, s.part_bytes, s.verify and not layered,
                              slot_ids, source, whole=layered)
         except LayoutError as exc:
-            self.staging.release(rank, staged)
-            self._fail_push(rank, match, peer, "layout_mismatch", str(exc))
+            self._unposted(rank, match, peer, staged, "layout_mismatch", str(exc))
             return
         except TransferError as exc:  # preparing the joint source's descriptors
-            self.staging.release(rank, staged)
-            self._fail_push(rank, match, peer, "write_submit_failed", str(exc))
+            self._unposted(rank, match, peer, staged, "write_submit_failed", str(exc))
             return
         # Wall clock, not loop.time(): uvloop caches the loop's time per iteration, and a
         # WRITE over shared memory may complete inside this very call.
         started = time.perf_counter()
-        if progress is not None and layered:
+        if pending is not None:
             self.layerwise.begin(rank, match, peer, target.agent_name, LayerPost(
-                progress, push.plan, push.local, rank.remotes.dlist(target.agent_name), push.descs), self._now(),
+                pending, push.plan, push.local, rank.remotes.dlist(target.agent_name), push.descs), self._now(),
                 started)
             return
         handles, states, failed = post_parts(rank.agent, rank.remotes.dlist(target.agent_name),
                                              target.agent_name, push, reg.request_id, rank.tp_size)
         if not handles:
-            self.staging.release(rank, staged)
-            self._fail_push(rank, match, peer, "write_submit_failed", failed)
+            self._unposted(rank, match, peer, staged, "write_submit_failed", failed)
             return
         now = self._now()
         self._metrics.match_wait_seconds.observe(now - match.staged.staged_at)
@@ -393,6 +383,11 @@ class Sender:
                                                    nbytes=push.plan.nbytes, digests=push.digests))
         self._settle_parts(rank, write, states)
         self._wake()
+
+    def _unposted(self, rank: Rank, match: Match, peer: Peer, staged: str, kind: str, reason: str) -> None:
+        """``match``'s WRITE cannot be posted: its staging slots go back, the push fails."""
+        self.staging.release(rank, staged)
+        self._fail_push(rank, match, peer, kind, reason)
 
     def _settle_parts(self, rank: Rank, write: Write, states: list[XferState]) -> None:
         """Release the parts of ``write`` that settled; once none is left, settle it (a

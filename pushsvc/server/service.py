@@ -194,8 +194,6 @@ class PushService:
                 raise ProtocolError("a consumer worker cannot send KV")
             if self.draining:
                 self._refuse(rank, wp.SendFailed(request_id=msg.request_id, reason="daemon shutting down"))
-            elif isinstance(msg, wp.SendStart):
-                self.sender.on_send_start(rank, msg)
             else:
                 self.sender.on_send_ready(rank, msg)
         elif isinstance(msg, (wp.LayerSaved, wp.StepSaved)):

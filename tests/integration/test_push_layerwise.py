@@ -127,3 +127,48 @@ def test_a_registration_after_the_last_layer_gets_one_whole_write(spawn):
     assert P.metric("pushsvc_write_parts_total") == 1
     assert D.metric("pushsvc_verify_total", result="identical") == 1
     assert tables_empty(P, D)
+
+
+def test_each_pipeline_stage_pushes_its_layers_as_it_saves_them(spawn):
+    """A pipeline-parallel P (two stages of two layers each) into D's four layers: each
+    stage's worker numbers its own layers (0 and 1), and each layer lands in D's regions of
+    the same layer name once its stage saved it; D's request is done once both stages'
+    last layers landed."""
+    P = spawn.daemon("prefill", "--verify")
+    D = spawn.daemon("decode", "--verify")
+    stages = [spawn.worker(P, "producer", layers=2, first_layer=2 * s, pp_rank=s, pp_size=2, blocks=P_BLOCKS,
+                           block_len=BLOCK_LEN, seed=10 + s) for s in range(2)]
+    dw = spawn.worker(D, "consumer", layers=LAYERS, blocks=D_BLOCKS, block_len=BLOCK_LEN, seed=2)
+    assert all(w.hello["ok"] for w in [*stages, dw])
+    rid, p_blocks, d_blocks = "cmpl-lw-pp", [4, 5], [17, 3]
+    dw.call("recv", request_id=rid, block_ids=[d_blocks], remote_engine_id=P.engine_id, remote_host="127.0.0.1",
+            remote_port=P.side_port)
+    _until(lambda: P.live_info()["tables"]["p_registrations"] == 2, "D's registration at both stages")
+    before = dw.digests()
+    for w in stages:
+        w.call("start", request_id=rid, block_ids=[p_blocks], step=3)
+
+    def stage_layer(stage: int, local: int) -> list[str]:
+        """What D's blocks must hold for model layer ``2 * stage + local``: the stage's
+        worker numbers that layer's regions 2 * local, 2 * local + 1."""
+        return [hashlib.sha1(pattern(_final(2 * stage + local, stage), 2 * local + half, pb, BLOCK_LEN)).hexdigest()
+                for half in (0, 1) for pb in p_blocks]
+
+    for local in range(2):  # both stages save their layer ``local`` (model layers local and 2 + local)
+        for s, w in enumerate(stages):
+            w.call("compute", layer=local, blocks=p_blocks, seed=_final(2 * s + local, s))
+            w.call("layer", step=3, layer=local)
+        for s in range(2):
+            layer = 2 * s + local
+            _until(lambda layer=layer, s=s: [dw.digests()[2 * layer + half][b] for half in (0, 1) for b in d_blocks]
+                   == stage_layer(s, local), f"model layer {layer} at D")
+        if local == 0:
+            rows = dw.digests()
+            assert all(rows[r] == before[r] for layer in (1, 3) for r in (2 * layer, 2 * layer + 1))
+    assert dw.wait(rid) == {"type": "RecvDone", "request_id": rid}, D.log()[-3000:]
+    for w in stages:
+        assert w.wait(rid) == {"type": "SendDone", "request_id": rid}
+        w.call("step", step=3)
+    assert D.metric("pushsvc_verify_total", result="identical") == 1
+    assert P.metric("pushsvc_write_parts_total") == 4, "one WRITE per stage and layer"
+    assert tables_empty(P, D)
