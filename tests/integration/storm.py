@@ -5,7 +5,11 @@ It drives a seeded random mix of normal pushes, client aborts at random points
 registrations (same id, same or other blocks), registrations the daemon must refuse
 (blocks out of range, named twice, or held by another live request), late or foreign
 completion notifications to D and late PUSH_REGs to P (sent from a NIXL agent of our
-own). It checks, as it goes:
+own). With ``--layerwise``, that fraction of P's requests is pushed layer by layer: they
+join the open step (``SendStart``) with their blocks still holding stale bytes, each
+``layer_step`` writes the next layer's final bytes of the step's live requests and says
+``LayerSaved``, the last one ``StepSaved``; a layer posted before it was final would
+reach D with stale bytes. It checks, as it goes:
 
 * every request it started gets exactly one final event, never a second;
 * a D block is never written while it is free: freed blocks are poisoned and the
@@ -42,7 +46,7 @@ class Storm:
         self.args = args
         self.rng = random.Random(args.seed)
         common = dict(rank=0, tp_size=1, layers=args.layers, block_len=args.block_len, blocks_per_logical=1, heads=0,
-                      replicated=0)
+                      replicated=0, pp_rank=0, pp_size=1, first_layer=0, packed=0)
         self.p = KVWorker(argparse.Namespace(socket=args.p_socket, engine_id=args.p_engine, role="producer",
                                              blocks=args.p_blocks, seed=1, **common))
         self.d = KVWorker(argparse.Namespace(socket=args.d_socket, engine_id=args.d_engine, role="consumer",
@@ -65,6 +69,12 @@ class Storm:
         self.errors: list[str] = []
         self.notifier: Notifier | None = None
         self.verified = 0
+        # Layer-wise push: the open step (0: none), its requests, its next layer.
+        self.step_no = 0
+        self.step_open = False
+        self.step_reqs: list[Req] = []
+        self.step_layer = 0
+        self.layerwise_done = 0
 
     # ------------------------------------------------------------ setup
 
@@ -107,10 +117,13 @@ class Storm:
                 self.errors.append(f"D block {block} region {r} was written while free ({when})")
                 return
 
-    def _fill_p(self, pair: Pair, blocks: list[int]) -> None:
+    def _fill_p(self, pair: Pair, blocks: list[int], regions: range | None = None, stale: bool = False) -> None:
+        """P's final bytes of ``pair`` in ``regions`` (all by default) of its blocks; with
+        ``stale``, bytes no request's final KV holds (what a layer holds before it is computed)."""
+        n = pair.n + (1 << 30) if stale else pair.n
         for pos, b in enumerate(blocks):
-            for r in range(self.regions):
-                data = tag_bytes(pair.n, r, pos, self.args.block_len)
+            for r in regions if regions is not None else range(self.regions):
+                data = tag_bytes(n, r, pos, self.args.block_len)
                 ctypes.memmove(self._addr(self.p, r, b), data, len(data))
 
     def _verify_recv(self, pair: Pair, d: Req) -> None:
@@ -148,11 +161,41 @@ class Storm:
         blocks = self.p_pool.take(self.rng, m, pair.p_rid)
         if blocks is None:
             return False
-        self._fill_p(pair, blocks)
-        pair.p = Req("p", pair.p_rid, pair.n, blocks, started_at=time.monotonic())
+        layerwise = self.rng.random() < self.args.layerwise
+        self._fill_p(pair, blocks, stale=layerwise)
+        pair.p = Req("p", pair.p_rid, pair.n, blocks, started_at=time.monotonic(), layerwise=layerwise)
         self.live[("p", pair.p_rid)] = pair.p
-        self.p.client.send(wp.SendReady(request_id=pair.p_rid, block_ids=[blocks]))
+        if not layerwise:
+            self.p.client.send(wp.SendReady(request_id=pair.p_rid, block_ids=[blocks]))
+            return True
+        if not self.step_open:
+            self.step_no, self.step_open, self.step_reqs, self.step_layer = self.step_no + 1, True, [], 0
+        self.step_reqs.append(pair.p)
+        self.p.client.send(wp.SendStart(request_id=pair.p_rid, block_ids=[blocks], step=self.step_no))
         return True
+
+    def _op_layer_step(self, live_p, live_d, half) -> bool:
+        """The open step's forward pass computes its next layer (the last one ends it)."""
+        if not self.step_open:
+            return False
+        layer = self.step_layer
+        for req in self.step_reqs:
+            if not req.final:  # a request that ended gave its blocks back: never written again
+                self._fill_p(self.pairs[req.pair], req.blocks, range(2 * layer, 2 * layer + 2))
+        self.p.client.send(wp.LayerSaved(step=self.step_no, layer=layer))
+        self.step_layer += 1
+        if self.step_layer == self.args.layers:
+            self._end_step()
+        return True
+
+    def _end_step(self) -> None:
+        """Every layer of the step's requests is final (those that joined after its first
+        layers get them now), then ``StepSaved``."""
+        for req in self.step_reqs:
+            if not req.final:
+                self._fill_p(self.pairs[req.pair], req.blocks)
+        self.p.client.send(wp.StepSaved(step=self.step_no))
+        self.step_open, self.step_reqs = False, []
 
     def _start_d(self, pair: Pair, bad: str = "") -> bool:
         # D holds at most as many blocks as P will (prefix hits on D: fewer); 0 now
@@ -218,6 +261,8 @@ class Storm:
                                             ("late_push_reg", 3), ("evict_finished", 2)]
         if half:
             choices.append(("start_other_side", 30))
+        if self.step_open:
+            choices.append(("layer_step", 20))
         if live_d:
             choices += [("evict_d", 8), ("foreign_completion", 2)]
         if live_p:
@@ -434,6 +479,7 @@ class Storm:
         else:
             if kind == "RecvDone":
                 self._verify_recv(pair, req)
+                self.layerwise_done += bool(pair.p is not None and pair.p.layerwise)
             elif sorted(event.block_ids) != sorted(req.blocks):
                 self.errors.append(f"RecvFailed for {rid} names blocks {event.block_ids}, not {req.blocks}")
             for b in req.blocks:
@@ -475,6 +521,8 @@ class Storm:
             if done % 64 == 0:
                 self.notifier.progress()
         storm_s = time.perf_counter() - t0
+        if self.step_open:  # the last forward pass ends
+            self._end_step()
         # Abort whatever is still open (a pair with one side never started is
         # started and aborted too, so both sides end), then wait for every final event.
         for n in list(self.open_pairs):
@@ -502,6 +550,7 @@ class Storm:
             "pairs": self.next_pair,
             "idle_steps": idle,
             "verified_recv_done": self.verified,
+            "layerwise_recv_done": self.layerwise_done,
             "notifier_sent": self.notifier.sent,
             "op_counts": dict(sorted(self.ops.items())),
             "outcomes": dict(sorted(self.outcomes.items())),
@@ -522,6 +571,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rate", type=float, default=1000.0, help="operations per second, at most")
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layerwise", type=float, default=0.0, help="the fraction of P's requests pushed layer by layer")
     p.add_argument("--p-blocks", type=int, default=160)
     p.add_argument("--d-blocks", type=int, default=160)
     p.add_argument("--block-len", type=int, default=4096)

@@ -30,6 +30,7 @@ class Req:
     expect_reject: bool = False
     started_at: float = 0.0
     evicted: bool = False
+    layerwise: bool = False  # P: started with SendStart; its layers become final one by one
     final: str = ""
     reason: str = ""
     ended_at: float = 0.0

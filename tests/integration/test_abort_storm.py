@@ -1,7 +1,7 @@
 """Abort storm against two real daemons with real NIXL (driver: ``storm.py``).
 
 At least 10,000 random operations (``PUSHSVC_STORM_OPS`` for more; ``PUSHSVC_STORM_SEED``
-replays a run). Afterwards every table and gauge is 0 on both daemons, no WRITE handle
+replays a run), three in ten of P's requests pushed layer by layer. Afterwards every table and gauge is 0 on both daemons, no WRITE handle
 is left, and the daemons hold the file descriptors they held before the storm.
 """
 
@@ -62,7 +62,7 @@ def test_abort_storm_leaves_nothing_behind(spawn, base_dir):
     P = spawn.daemon("prefill", "--lease-s", "3", "--config", str(p_config))
     D = spawn.daemon("decode", "--watchdog-s", "3")
     cmd = [sys.executable, str(HERE / "storm.py"), "--p-socket", P.socket, "--d-socket", D.socket,
-           "--p-port", str(P.side_port), "--d-port", str(D.side_port), "--ops", str(ops), "--seed", str(seed)]
+           "--p-port", str(P.side_port), "--d-port", str(D.side_port), "--ops", str(ops), "--seed", str(seed), "--layerwise", "0.3"]
     driver = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, bufsize=1)
     try:
@@ -84,6 +84,8 @@ def test_abort_storm_leaves_nothing_behind(spawn, base_dir):
                     "d:RecvFailed:registration"):
             assert outcomes.get(key, 0) > 0, (key, outcomes)
         assert summary["verified_recv_done"] == outcomes["d:RecvDone:ok"]
+        # Layer-wise pushes ran, landed exactly (verified above) and were aborted mid-step too.
+        assert summary["op_counts"].get("layer_step", 0) > 0 and summary["layerwise_recv_done"] > 0, summary
 
         _wait_zero([P, D])
         for d in (P, D):
