@@ -46,7 +46,7 @@ class Progress:
 
     def __init__(self, layers: LayerMap) -> None:
         self.map = layers
-        self._saved = np.zeros(layers.layers, dtype=bool)
+        self._saved = [False] * layers.layers
         self.final = np.zeros(layers.regions, dtype=bool)  # per region of the rank
 
     def save(self, layer: int) -> bool:
@@ -57,7 +57,7 @@ class Progress:
         self._saved[layer] = True
         changed = False
         for r in self.map.regions_of[layer]:
-            if not self.final[r] and self._saved[list(self.map.needs[r])].all():
+            if not self.final[r] and all(self._saved[i] for i in self.map.needs[r]):
                 self.final[r] = True
                 changed = True
         return changed
@@ -66,7 +66,7 @@ class Progress:
         """The step ended: every region is final; True if one was not before."""
         changed = not self.final.all()
         self.final[:] = True
-        self._saved[:] = True
+        self._saved = [True] * self.map.layers
         return changed
 
     @property
