@@ -28,8 +28,11 @@ from pushsvc.tinymodel import ensure_tiny_model
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEPLOYMENTS = {"colocated": serving._colocated, "pushsvc": serving._pushsvc,
-               "pushsvc-layerwise": lambda stack, model: serving._pushsvc(stack, model, {"layerwise_push": True})}
-PD_DEPLOYMENTS = ("pushsvc", "pushsvc-layerwise")
+               "pushsvc-layerwise": lambda stack, model: serving._pushsvc(stack, model, {"layerwise_push": True}),
+               # Not in the defaults: D's vLLM without asynchronous scheduling (what it does to D's first step).
+               "pushsvc-layerwise-dsync": lambda stack, model: serving._pushsvc(
+                   stack, model, {"layerwise_push": True}, d_flags=("--no-async-scheduling",))}
+PD_DEPLOYMENTS = ("pushsvc", "pushsvc-layerwise", "pushsvc-layerwise-dsync")
 
 
 @dataclass(frozen=True)

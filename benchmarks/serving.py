@@ -168,14 +168,15 @@ def _nixl(mode: str, prog_thread: bool, extra: dict, name: str) -> Callable[[Ben
     return start
 
 
-def _pushsvc(stack: BenchStack, model: str, p_extra: dict | None = None) -> Deployment:
-    """pushsvc's P/D; ``p_extra``: more of P's ``kv_connector_extra_config``."""
+def _pushsvc(stack: BenchStack, model: str, p_extra: dict | None = None, d_flags: tuple[str, ...] = ()) -> Deployment:
+    """pushsvc's P/D; ``p_extra``: more of P's ``kv_connector_extra_config``; ``d_flags``:
+    more of D's vLLM flags."""
     pd = stack.daemon("pushsvc-daemon-p", "--log-level", "warning")
     dd = stack.daemon("pushsvc-daemon-d", "--log-level", "warning")
     p, d = _together(stack, {
         "pushsvc-p": lambda: stack.vllm("pushsvc-p", model, cpus="0", extra=VLLM_EXTRA,
                                         kv_transfer_config=connector_config("kv_producer", pd, **(p_extra or {}))),
-        "pushsvc-d": lambda: stack.vllm("pushsvc-d", model, cpus="1", extra=VLLM_EXTRA,
+        "pushsvc-d": lambda: stack.vllm("pushsvc-d", model, cpus="1", extra=(*VLLM_EXTRA, *d_flags),
                                         kv_transfer_config=connector_config("kv_consumer", dd)),
     })
     proxy = stack.proxy("pushsvc-proxy", [p], [pd], [d])
