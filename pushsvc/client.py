@@ -87,15 +87,20 @@ class DaemonClient:
         return welcome
 
     def register_kv(self, fds: Sequence[int], regions: list[wp.Region], blocks_per_logical: int = 1,
-                    memory: wp.CudaIpcBuffers | None = None) -> wp.KVRegistered:
-        """Share the KV memory: memfds (sent with the frame), or CUDA IPC handles."""
+                    memory: wp.CudaIpcBuffers | None = None, layer_events: list[bytes] | None = None
+                    ) -> wp.KVRegistered:
+        """Share the KV memory: memfds (sent with the frame), or CUDA IPC handles (and, for
+        layer-wise push, the handles of the worker's layer events)."""
         if memory is not None and not self.supports(wp.CUDA_IPC_MINOR):
             raise DaemonRefused(f"the daemon speaks worker protocol {wp.MAJOR}.{self.daemon_minor}; CUDA KV memory "
                                 f"needs {wp.MAJOR}.{wp.CUDA_IPC_MINOR} (upgrade the daemon)")
+        if layer_events and not self.supports(wp.LAYERWISE_MINOR):
+            raise DaemonRefused(f"the daemon speaks worker protocol {wp.MAJOR}.{self.daemon_minor}; layer-wise push "
+                                f"needs {wp.MAJOR}.{wp.LAYERWISE_MINOR} (upgrade the daemon)")
         if not self.supports(wp.HEADS_MINOR):  # an older daemon refuses the field (and takes no P of higher TP)
             regions = [msgspec.structs.replace(r, heads=0, replicated=False) for r in regions]
         msg = wp.RegisterKV(memory=memory or wp.MemfdBuffers(count=len(fds)), regions=regions,
-                            blocks_per_logical=blocks_per_logical)
+                            blocks_per_logical=blocks_per_logical, layer_events=list(layer_events or []))
         data = frame(wp.encode(msg))
         sock = self._require()
         self._flush_blocking()

@@ -104,7 +104,8 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = PushWorker(socket_path=str(socket_path), rank=get_tensor_model_parallel_rank(),
                                   tp_size=vllm_config.parallel_config.tensor_parallel_size, role=role_name,
                                   connect_timeout_s=float(extra.get("connect_timeout_s", 10.0)),
-                                  pp_rank=get_pp_group().rank_in_group if pp_size > 1 else 0, pp_size=pp_size)
+                                  pp_rank=get_pp_group().rank_in_group if pp_size > 1 else 0, pp_size=pp_size,
+                                  layerwise=self._layerwise and role_name != "consumer", stream=_current_stream)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
@@ -122,11 +123,6 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         share = share_kv(kv_caches, self._kv_cache_config.num_blocks, self._groups, kv_heads(self._kv_cache_config),
                          replicated_layers(self._kv_cache_config))
-        if self._layerwise and share.kind == "cuda":
-            share.close()
-            raise ValueError('PushsvcConnector: kv_connector_extra_config["layerwise_push"] needs the KV cache in '
-                             "host memory (vLLM CPU): on a GPU a layer's KV is final only when its kernels ran, "
-                             "which the daemon cannot see yet. Turn it off for GPU workers.")
         self._worker.register(share)
         if self._layerwise and self._worker.welcome is not None and not self._worker.client.supports(
                 wp.LAYERWISE_MINOR):
@@ -152,7 +148,8 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         # Layer-wise push: this layer's KV of the step's finishing prefills is final (vLLM
-        # CPU computes it synchronously); otherwise P pushes whole requests once finished.
+        # CPU computes it synchronously; on a GPU its kernels are queued and the worker
+        # records the layer's event); otherwise P pushes whole requests once finished.
         if self._layerwise and self._worker is not None:
             self._worker.layer_saved(layer_name)
 
@@ -275,6 +272,12 @@ def replicated_layers(kv_cache_config: Any) -> frozenset[str]:
     """The layers whose KV every TP rank holds whole: MLA's latent rows."""
     return frozenset(name for group in getattr(kv_cache_config, "kv_cache_groups", None) or ()
                      if isinstance(group.kv_cache_spec, MLAAttentionSpec) for name in group.layer_names)
+
+
+def _current_stream() -> int:
+    """The handle of the CUDA stream vLLM computes on now (layer-wise push records the
+    layer events there)."""
+    return int(torch.cuda.current_stream().cuda_stream)
 
 
 def layerwise_setting(extra: dict[str, Any]) -> bool:

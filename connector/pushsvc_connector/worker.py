@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import select
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -44,6 +45,7 @@ from pushsvc.client import DaemonClient
 from pushsvc.errors import DaemonNotListening, DaemonRefused, DaemonUnavailable, PushsvcError
 from pushsvc.protocol import worker as wp
 from pushsvc_connector.counters import BACKSTOP, DAEMON_GONE, DAEMON_RESTARTED, Counts
+from pushsvc_connector.cudashare import LayerEvents
 from pushsvc_connector.kvshare import KVShare
 from pushsvc_connector.steps import StepPlan
 
@@ -74,8 +76,13 @@ class _Transfer:
 class PushWorker:
     def __init__(self, *, socket_path: str, rank: int, tp_size: int, role: wp.Role,
                  connect_timeout_s: float = 10.0, reconnect_interval_s: float = RECONNECT_INTERVAL_S,
-                 pp_rank: int = 0, pp_size: int = 1) -> None:
+                 pp_rank: int = 0, pp_size: int = 1, layerwise: bool = False,
+                 stream: Callable[[], int] | None = None) -> None:
+        """``layerwise``: push each layer as vLLM saves it; with CUDA KV, ``stream`` gives
+        the handle of the stream vLLM computes on (the layer events are recorded there)."""
         self.reconnect_interval_s = reconnect_interval_s
+        self._layerwise = layerwise
+        self._stream = stream
         self.client = DaemonClient(socket_path, engine_id="", rank=rank, tp_size=tp_size, role=role,
                                    timeout_s=connect_timeout_s, pp_rank=pp_rank, pp_size=pp_size)
         self.stats = Counts()
@@ -93,6 +100,9 @@ class PushWorker:
         # step whose forward pass is running with layer-wise requests in it.
         self._layers: dict[str, int] = {}
         self._open_step: int | None = None
+        # ... with CUDA KV: interprocess events, one per layer and one for the forward
+        # pass's end, recorded before each LayerSaved / StepSaved (the daemon waits on them).
+        self._events: LayerEvents | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -104,6 +114,10 @@ class PushWorker:
         for region in share.regions:
             for name in region.layer_names:
                 self._layers.setdefault(name, len(self._layers))
+        if self._layerwise and share.kind == "cuda":
+            if self._stream is None:
+                raise ValueError("layer-wise push from CUDA KV needs the stream vLLM computes on")
+            self._events = LayerEvents(len(self._layers) + 1)
         self._connect(startup=True)
 
     def _connect(self, startup: bool = False) -> bool:
@@ -118,7 +132,8 @@ class PushWorker:
                 self._daemon_id = welcome.daemon_id
             share = self._share
             assert share is not None
-            self.client.register_kv(share.fds, share.regions, share.blocks_per_logical, memory=share.cuda)
+            self.client.register_kv(share.fds, share.regions, share.blocks_per_logical, memory=share.cuda,
+                                    layer_events=self._events.handles if self._events is not None else None)
         except DaemonRefused as exc:
             self.client.close()
             if startup:
@@ -222,17 +237,24 @@ class PushWorker:
                 self._open_step = meta.step
 
     def layer_saved(self, name: str) -> None:
-        """vLLM saved layer ``name`` in this step's forward pass (``save_kv_layer``)."""
+        """vLLM saved layer ``name`` in this step's forward pass (``save_kv_layer``; on a
+        GPU its kernels are queued, and the layer's event marks their end)."""
         if self._open_step is not None:
             index = self._layers.get(name)
             if index is not None:
+                self._record(index)
                 self._send(wp.LayerSaved(step=self._open_step, layer=index))
 
     def step_saved(self) -> None:
         """This step's forward pass ended (``wait_for_save``)."""
         if self._open_step is not None:
+            self._record(-1)
             self._send(wp.StepSaved(step=self._open_step))
             self._open_step = None
+
+    def _record(self, index: int) -> None:
+        if self._events is not None and self._stream is not None:
+            self._events.record(index, self._stream())
 
     def get_finished(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """Completed transfers. With ``wait_s`` > 0 (an idle engine step) and transfers
@@ -380,6 +402,9 @@ class PushWorker:
         self.client.close()
         if self._share is not None:
             self._share.close()
+        if self._events is not None:
+            self._events.close()
+            self._events = None
 
     def __repr__(self) -> str:
         held = sum(t.held for t in self._recving.values()) + sum(t.held for t in self._sending.values())

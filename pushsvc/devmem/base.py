@@ -49,9 +49,22 @@ class Copier(Protocol):
         """Give its memory back (no copy of it may be in flight)."""
 
 
+class DeviceEvent(Protocol):
+    """Another process's interprocess event, opened here (layer-wise push: a worker
+    records it after a layer's kernels)."""
+
+    def done(self) -> bool:
+        """Whether the work before its last record finished (never blocks)."""
+
+    def close(self) -> None: ...
+
+
 class Device(Protocol):
     ordinal: int  # the device's number in this process (NIXL's device id)
     uuid: bytes
+
+    def import_event(self, handle: bytes) -> DeviceEvent:
+        """Open another process's interprocess event from its CUDA IPC handle."""
 
     def import_ipc(self, handle: bytes) -> DeviceBuffer:
         """Open another process's allocation from its CUDA IPC handle."""

@@ -61,6 +61,25 @@ class _Copy:
         self._driver.event_destroy(event)
 
 
+class _Event:
+    """A worker's interprocess event, opened in this process."""
+
+    __slots__ = ("_device", "_event")
+
+    def __init__(self, device: CudaDevice, event: int) -> None:
+        self._device, self._event = device, event
+
+    def done(self) -> bool:
+        self._device.current()
+        return self._device.driver.event_done(self._event)
+
+    def close(self) -> None:
+        if self._event:
+            event, self._event = self._event, 0
+            self._device.current()
+            self._device.driver.event_destroy(event)
+
+
 class _Nothing:
     """A copy with nothing to move."""
 
@@ -169,6 +188,10 @@ class CudaDevice:
             self.imported -= size
 
         return _Mapping(address, size, close)
+
+    def import_event(self, handle: bytes) -> _Event:
+        self.current()
+        return _Event(self, self.driver.ipc_open_event(handle))
 
     def allocate(self, nbytes: int) -> _Mapping:
         self.current()

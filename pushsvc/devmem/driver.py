@@ -24,6 +24,7 @@ _ATTR_MEMORY_TYPE = 2
 _MEMORYTYPE_DEVICE = 2
 _STREAM_NON_BLOCKING = 1
 _EVENT_DISABLE_TIMING = 2
+_EVENT_INTERPROCESS = 4
 _ERROR_NOT_READY = 600
 
 
@@ -76,6 +77,8 @@ class Driver:
             "cuIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), _PTR],
             "cuIpcOpenMemHandle_v2": [ctypes.POINTER(_PTR), _IpcHandle, ctypes.c_uint],
             "cuIpcCloseMemHandle": [_PTR],
+            "cuIpcGetEventHandle": [ctypes.POINTER(_IpcHandle), ctypes.c_void_p],
+            "cuIpcOpenEventHandle": [ctypes.POINTER(ctypes.c_void_p), _IpcHandle],
             "cuMemAlloc_v2": [ctypes.POINTER(_PTR), ctypes.c_size_t],
             "cuMemFree_v2": [_PTR],
             "cuMemsetD8_v2": [_PTR, ctypes.c_ubyte, ctypes.c_size_t],
@@ -246,6 +249,29 @@ class Driver:
     def event(self) -> int:
         e = ctypes.c_void_p()
         self._check(self._lib.cuEventCreate(ctypes.byref(e), _EVENT_DISABLE_TIMING), "cuEventCreate")
+        return e.value or 0
+
+    def ipc_event(self) -> tuple[int, bytes]:
+        """An event another process can open (interprocess, no timing), and its handle."""
+        e = ctypes.c_void_p()
+        self._check(self._lib.cuEventCreate(ctypes.byref(e), _EVENT_DISABLE_TIMING | _EVENT_INTERPROCESS),
+                    "cuEventCreate")
+        handle = _IpcHandle()
+        try:
+            self._check(self._lib.cuIpcGetEventHandle(ctypes.byref(handle), e.value), "cuIpcGetEventHandle")
+        except DeviceError:
+            self._lib.cuEventDestroy_v2(e.value)
+            raise
+        return e.value or 0, ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES)
+
+    def ipc_open_event(self, handle: bytes) -> int:
+        """Open another process's interprocess event from its handle."""
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise DeviceError(f"an IPC event handle has {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
+        raw = _IpcHandle()
+        ctypes.memmove(ctypes.addressof(raw), handle, IPC_HANDLE_BYTES)
+        e = ctypes.c_void_p()
+        self._check(self._lib.cuIpcOpenEventHandle(ctypes.byref(e), raw), "cuIpcOpenEventHandle")
         return e.value or 0
 
     def event_record(self, event: int, stream: int) -> None:

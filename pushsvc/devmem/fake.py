@@ -5,7 +5,8 @@ for a host buffer the test owns, and ``import_ipc`` maps it back (the same addre
 process). Landing copies move real bytes (``copy_ranges``: what the kernel does) when they
 are issued but report ``done`` only after
 ``copy_polls`` queries, and not at all while ``hold_copies`` is set, so tests see final
-events held behind copies in flight.
+events held behind copies in flight. ``export_event`` stands for a worker's interprocess
+event (layer-wise push), recorded and finished by the test.
 """
 
 from __future__ import annotations
@@ -50,6 +51,36 @@ class _Copy:
         self._device.memory.hold_copies = False  # a blocking wait ends the hold: the copy "finishes"
         while not self.done():
             pass
+
+
+class FakeEvent:
+    """A worker's interprocess event in one process: ``recorded`` by the test (its kernels
+    "queued"), ``finish`` when they ran. Opened any number of times."""
+
+    def __init__(self) -> None:
+        self.pending = False  # recorded, its work not finished
+        self.opened = 0  # open handles in the daemon
+
+    def record(self) -> None:
+        self.pending = True
+
+    def finish(self) -> None:
+        self.pending = False
+
+
+class _OpenedEvent:
+    def __init__(self, event: FakeEvent) -> None:
+        self._event: FakeEvent | None = event
+        event.opened += 1
+
+    def done(self) -> bool:
+        assert self._event is not None, "queried after close"
+        return not self._event.pending
+
+    def close(self) -> None:
+        if self._event is not None:
+            self._event.opened -= 1
+            self._event = None
 
 
 class _Copier:
@@ -100,6 +131,12 @@ class FakeDevice:
 
         return _Buffer(address, size, closed)
 
+    def import_event(self, handle: bytes) -> _OpenedEvent:
+        event = self.memory.events.get(handle)
+        if event is None:
+            raise DeviceError("cuIpcOpenEventHandle failed: CUDA_ERROR_INVALID_VALUE (1)")
+        return _OpenedEvent(event)
+
     def allocate(self, nbytes: int) -> _Buffer:
         if self.memory.fail_allocations:
             raise DeviceError(f"cuMemAlloc of {nbytes} bytes failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
@@ -133,6 +170,7 @@ class FakeDeviceMemory:
         self.fault_copies = False  # the next completion query of each copy reports a device fault
         self.fail_allocations = False
         self.exported: dict[bytes, tuple[int, int]] = {}
+        self.events: dict[bytes, FakeEvent] = {}
         self._devices: dict[bytes, FakeDevice] = {}
 
     def add_device(self, uuid: bytes) -> FakeDevice:
@@ -147,6 +185,13 @@ class FakeDeviceMemory:
         handle = hashlib.sha512(f"{address}:{size}".encode()).digest()
         self.exported[handle] = (address, size)
         return handle
+
+    def export_event(self) -> tuple[FakeEvent, bytes]:
+        """A worker's interprocess event and its 64-byte handle."""
+        event = FakeEvent()
+        handle = hashlib.sha512(f"event:{id(event)}".encode()).digest()
+        self.events[handle] = event
+        return event, handle
 
     def device(self, uuid: bytes) -> FakeDevice:
         dev = self._devices.get(uuid)

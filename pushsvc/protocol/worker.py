@@ -29,7 +29,8 @@ MatchKey = Annotated[str, msgspec.Meta(max_length=MATCH_KEY_MAX, pattern=r"^[A-Z
 MAGIC = b"PSVW"
 MAJOR = 1
 MINOR = 6  # 1.1: RegisterRecv.match_key, SendReady.match_key; 1.2: CudaIpcBuffers; 1.3: Region.heads/replicated;
-# 1.4: Reported; 1.5: Hello.pp_rank/pp_size; 1.6: SendStart, LayerSaved, StepSaved (layer-wise push)
+# 1.4: Reported; 1.5: Hello.pp_rank/pp_size; 1.6: SendStart, LayerSaved, StepSaved, RegisterKV.layer_events
+# (layer-wise push)
 # The first minor whose daemon accepts ``match_key``; a client sets it only for such a daemon.
 MATCH_KEY_MINOR = 1
 # The first minor whose daemon takes CUDA KV memory (``CudaIpcBuffers``).
@@ -120,10 +121,17 @@ class Hello(msgspec.Struct, tag="hello", **_opts):
     pp_size: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
 
 
+IpcHandle = Annotated[bytes, msgspec.Meta(min_length=CUDA_IPC_HANDLE_BYTES, max_length=CUDA_IPC_HANDLE_BYTES)]
+
+
 class RegisterKV(msgspec.Struct, tag="register_kv", **_opts):
     memory: Memory
     regions: Annotated[list[Region], msgspec.Meta(min_length=1, max_length=16384)]
     blocks_per_logical: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1  # physical kernel blocks per scheduler block
+    # 1.6, a CUDA worker pushing layer by layer: the IPC handles of its interprocess
+    # events, one per layer (``LayerSaved``'s numbering) and one for the forward pass's end,
+    # each recorded on its compute stream before the message that names it.
+    layer_events: Annotated[list[IpcHandle], msgspec.Meta(max_length=16385)] = []
 
 
 class RegisterRecv(msgspec.Struct, tag="register_recv", **_opts):

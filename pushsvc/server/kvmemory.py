@@ -15,14 +15,16 @@ from dataclasses import dataclass
 
 import structlog
 
-from pushsvc.devmem.base import Device, DeviceMemory
+from pushsvc.devmem.base import Device, DeviceEvent, DeviceMemory
 from pushsvc.engine.base import Agent
 from pushsvc.errors import LayoutError, ProtocolError
 from pushsvc.protocol import worker as wp
 from pushsvc.server.ranks import LandingMemory, MappedBuffer, RankMemory, StagingMemory, layout_from_regions
 from pushsvc.shm import SharedBuffer
 from pushsvc.state.landing import CopyPlan, LandingGeometry
+from pushsvc.state.layerwise import LayerMap
 from pushsvc.state.layout import MAX_DESCRIPTORS, Layout, descriptor_table
+from pushsvc.state.stages import keys
 
 log = structlog.get_logger("pushsvc.kvmemory")
 
@@ -40,6 +42,9 @@ def map_kv(msg: wp.RegisterKV, fds: list[int], *, agent: Agent, role: wp.Role, d
         # Each block of each region becomes a NIXL descriptor held in memory.
         raise LayoutError(f"{descriptors} blocks across regions exceed the limit of {MAX_DESCRIPTORS}")
     if isinstance(msg.memory, wp.MemfdBuffers):
+        if msg.layer_events:
+            raise ProtocolError("layer events come with CUDA KV memory; KV in host memory is final when "
+                                "save_kv_layer is called and needs none")
         return _map_memfds(msg, fds, agent)
     if fds:
         raise ProtocolError(f"{len(fds)} fds sent with CUDA memory, which takes none")
@@ -113,6 +118,7 @@ def _map_cuda(msg: wp.RegisterKV, agent: Agent, role: wp.Role, devmem: DeviceMem
             geometry = LandingGeometry.build(layout, settings.landing_bytes)
             owned.append(device.allocate(geometry.nbytes))
             landing = _landing(agent, device, layout, geometry, owned[-1])
+        events = _layer_events(msg, role, device, settings, owned)
     except BaseException:
         for b in [*buffers, *owned]:
             b.close()
@@ -122,7 +128,30 @@ def _map_cuda(msg: wp.RegisterKV, agent: Agent, role: wp.Role, devmem: DeviceMem
              landing_bytes=landing.geometry.nbytes if landing else 0,
              staging_slots=staging.geometry.slots if staging else 0,
              copy_width=landing.copier.plan.width if landing else 0)
-    return RankMemory(buffers, list(msg.regions), layout, descs, dlist, "VRAM", device, landing, staging)
+    return RankMemory(buffers, list(msg.regions), layout, descs, dlist, "VRAM", device, landing, staging,
+                      layer_events=events)
+
+
+def _layer_events(msg: wp.RegisterKV, role: wp.Role, device: Device, settings: MemorySettings,
+                  owned: list) -> list[DeviceEvent]:
+    """Open a layer-wise worker's events (one per layer, one for the forward pass's end);
+    each goes into ``owned`` as it opens, so a failure closes what was opened."""
+    if not msg.layer_events:
+        return []
+    if role == "consumer":
+        raise ProtocolError("layer events are for a worker that pushes (a producer)")
+    if settings.staging_bytes:
+        raise ProtocolError("layer-wise push reads the worker's KV as each layer is final; this daemon copies P's "
+                            "blocks into its staging buffer first (staging_mib): turn one of them off")
+    layers = LayerMap(keys(r.layer_names for r in msg.regions)).layers
+    if len(msg.layer_events) != layers + 1:
+        raise ProtocolError(f"{len(msg.layer_events)} layer events for {layers} layers: one per layer and one for "
+                            "the forward pass's end are needed")
+    events = []
+    for handle in msg.layer_events:
+        events.append(device.import_event(handle))
+        owned.append(events[-1])
+    return events
 
 
 def _landing(agent: Agent, device: Device, layout: Layout, geometry: LandingGeometry,

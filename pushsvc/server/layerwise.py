@@ -14,13 +14,15 @@ request matched later is pushed whole).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
 
+from pushsvc.devmem.base import DeviceEvent
 from pushsvc.engine.base import XferState
-from pushsvc.errors import ProtocolError, TransferError
+from pushsvc.errors import DeviceError, ProtocolError, TransferError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
@@ -47,6 +49,17 @@ class _Step:
     requests: dict[str, Progress] = field(default_factory=dict)  # by P's request id
 
 
+@dataclass(frozen=True, slots=True)
+class _Saved:
+    """A ``LayerSaved`` (``layer``) or ``StepSaved`` (``layer`` None) of a GPU worker, held
+    until the event the worker recorded before it says the kernels ran."""
+
+    step: int
+    layer: int | None
+    event: DeviceEvent
+    at: float  # loop time it came
+
+
 class Layerwise:
     def __init__(self, *, metrics: Metrics, timelines: Timelines, peers: PeerLink, verify: bool,
                  writes: Callable[[Rank], dict[str, Write]], settle: Settle, wake: Callable[[], None],
@@ -61,6 +74,7 @@ class Layerwise:
         self._now = now
         self._maps: dict[Rank, LayerMap] = {}
         self._steps: dict[Rank, dict[int, _Step]] = {}
+        self._held: dict[Rank, deque[_Saved]] = {}  # GPU workers' saves whose events are pending, in order
 
     def _map(self, rank: Rank) -> LayerMap:
         layers = self._maps.get(rank)
@@ -75,9 +89,9 @@ class Layerwise:
         """Why ``rank`` cannot start a layer-wise request in ``step``, or ''."""
         if rank.memory is None:
             return "no KV memory registered for this rank"
-        if rank.memory.mem_type != "DRAM":
-            return ("layer-wise push needs the KV cache in host memory: on a GPU a layer is final only when its "
-                    "kernels ran, which the daemon cannot see (turn layerwise_push off)")
+        if rank.memory.mem_type != "DRAM" and not rank.memory.layer_events:
+            return ("layer-wise push from a GPU needs the worker's layer events (RegisterKV.layer_events): a layer is "
+                    "final only when its kernels ran, which they tell")
         steps = self._steps.get(rank, {})
         if step not in steps and len(steps) >= MAX_OPEN_STEPS:
             return f"layer-wise push: {len(steps)} steps of this worker never said StepSaved"
@@ -103,25 +117,79 @@ class Layerwise:
         return progress if progress is not None and not progress.complete else None
 
     def layer_saved(self, rank: Rank, step: int, layer: int) -> None:
-        """Layer ``layer`` of ``step`` is final: post what it makes final. ProtocolError
-        for a layer the worker did not register."""
+        """Layer ``layer`` of ``step`` is final (a GPU worker's: once its event says so):
+        post what it makes final. ProtocolError for a layer the worker did not register."""
         layers = self._map(rank) if rank.memory is not None else None
         if layers is None or not 0 <= layer < layers.layers:
             raise ProtocolError(f"layer {layer}: this worker registered {layers.layers if layers else 0} layers")
+        if not self._hold(rank, step, layer):
+            self._apply_layer(rank, step, layer)
+
+    def step_saved(self, rank: Rank, step: int) -> None:
+        """``step``'s forward pass ended (a GPU worker's: once its event says so): its
+        requests are complete and the step is forgotten; post what was still pending."""
+        if not self._hold(rank, step, None):
+            self._apply_step(rank, step)
+
+    def _hold(self, rank: Rank, step: int, layer: int | None) -> bool:
+        """A GPU worker's save waits for its event (and for the saves before it)."""
+        events = rank.memory.layer_events if rank.memory is not None else []
+        if not events:
+            return False
+        event = events[layer if layer is not None else -1]
+        self._held.setdefault(rank, deque()).append(_Saved(step, layer, event, self._now()))
+        self.poll(rank)
+        return True
+
+    def poll(self, rank: Rank) -> None:
+        """Apply the held saves whose events say their kernels ran, in the order they came."""
+        held = self._held.get(rank)
+        while held:
+            saved = held[0]
+            try:
+                if not saved.event.done():
+                    return
+            except DeviceError as exc:  # the worker's context failed: its step's KV is not known final
+                held.popleft()
+                self._event_failed(rank, saved.step, str(exc))
+                continue
+            held.popleft()
+            if saved.layer is None:
+                self._apply_step(rank, saved.step)
+            else:
+                self._apply_layer(rank, saved.step, saved.layer)
+
+    def _event_failed(self, rank: Rank, step: int, error: str) -> None:
+        current = self._steps.get(rank, {}).pop(step, None)
+        log.error("layer_event_failed", rank=rank.number, step=step, error=error)
+        writes = self._writes(rank)
+        for rid in current.requests if current is not None else ():
+            write = writes.get(rid)
+            if write is not None and write.layered is not None:
+                self.stop(rank, write, ("layer_event", f"the worker's layer event failed: {error}"))
+
+    def _apply_layer(self, rank: Rank, step: int, layer: int) -> None:
         current = self._steps.get(rank, {}).get(step)
         if current is not None:  # else a step none of whose requests is layer-wise any more
             changed = [rid for rid, progress in current.requests.items() if progress.save(layer)]
             self._prefilled(rank, [rid for rid, progress in current.requests.items() if progress.complete])
             self._post_final(rank, changed)
 
-    def step_saved(self, rank: Rank, step: int) -> None:
-        """``step``'s forward pass ended: its requests are complete and the step is
-        forgotten; post what was still pending."""
+    def _apply_step(self, rank: Rank, step: int) -> None:
         current = self._steps.get(rank, {}).pop(step, None)
         if current is not None:
             changed = [rid for rid, progress in current.requests.items() if progress.finish()]
             self._prefilled(rank, list(current.requests))
             self._post_final(rank, changed)
+
+    def busy(self, rank: Rank) -> bool:
+        """A GPU worker's saves wait for their events."""
+        return bool(self._held.get(rank))
+
+    def hot(self, rank: Rank, now: float, hot_max_s: float) -> bool:
+        """... for less than ``hot_max_s``: a GPU layer's kernels take well under a millisecond."""
+        held = self._held.get(rank)
+        return bool(held) and now - held[0].at < hot_max_s
 
     def _prefilled(self, rank: Rank, rids: list[str]) -> None:
         """Every layer of ``rids`` is final: P's prefill of them is done (the timeline keeps
@@ -137,6 +205,7 @@ class Layerwise:
     def forget(self, rank: Rank) -> None:
         self._maps.pop(rank, None)
         self._steps.pop(rank, None)
+        self._held.pop(rank, None)
 
     def open_steps(self, rank: Rank) -> int:
         return len(self._steps.get(rank, {}))

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pushsvc.devmem.base import Device, Copier
+from pushsvc.devmem.base import Copier, Device, DeviceEvent
 from pushsvc.engine.base import Agent, DListHandle
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
@@ -86,6 +86,9 @@ class RankMemory:
     # P: the worker's blocks as WRITEs into a D joint agent of k members read them (k ->
     # layout, descriptors, prepared list), built on the first such WRITE (``joint_source``).
     joint_sources: dict[int, tuple[Layout, np.ndarray, DListHandle]] = field(default_factory=dict)
+    # P, layer-wise push from CUDA KV: the worker's events, one per layer and one for the
+    # forward pass's end (``state/layerwise.py``'s numbering), opened here.
+    layer_events: list[DeviceEvent] = field(default_factory=list)
 
     def joint_view(self, members: int) -> Layout:
         """The worker's blocks as a WRITE into a joint agent of ``members`` D ranks reads
@@ -127,6 +130,9 @@ class RankMemory:
         return self.landing.layout if self.landing is not None else self.layout
 
     def close(self) -> None:
+        for e in self.layer_events:
+            e.close()
+        self.layer_events.clear()
         for b in self.buffers:
             b.close()
         self.buffers.clear()

@@ -416,6 +416,7 @@ class Sender:
         state = self._ranks.get(rank)
         if state is None:
             return
+        self.layerwise.poll(rank)  # a GPU worker's layers, final once its events say so
         for write in list(state.writes.values()):
             self._settle_parts(rank, write, [rank.agent.state(h) for h in write.handles])
         self.staging.poll(rank)
@@ -554,7 +555,8 @@ class Sender:
 
     def busy(self, rank: Rank) -> bool:
         state = self._ranks.get(rank)
-        return (state is not None and (bool(state.writes) or state.table.busy)) or self.staging.busy(rank)
+        return ((state is not None and (bool(state.writes) or state.table.busy)) or self.staging.busy(rank)
+                or self.layerwise.busy(rank))
 
     def hot(self, rank: Rank, now: float, hot_max_s: float) -> bool:
         """A WRITE from this rank's memory is moving (for at most ``hot_max_s``)."""
@@ -563,7 +565,7 @@ class Sender:
         # worker computing them needs the cores more than its posted layers need progress.
         return (state is not None and any(now - w.posted_at < hot_max_s for w in state.writes.values()
                                           if not w.waiting_for_layers)
-                or self.staging.hot(rank))
+                or self.staging.hot(rank) or self.layerwise.hot(rank, now, hot_max_s))
 
     def writes_in_flight(self) -> int:
         return sum(len(s.writes) for s in self._ranks.values())

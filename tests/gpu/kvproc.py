@@ -99,6 +99,21 @@ class KV:
                     for b in self.block_bytes(blocks[i:i + 256], heads)]
         return out
 
+    def compute_layer(self, layer: int, blocks: list[int], seed: int, sleep_cycles: int) -> None:
+        """What a forward pass does to ``layer`` of ``blocks``, queued on the current
+        stream and not waited for: the GPU is busy ``sleep_cycles`` first, then writes the
+        layer's final KV (seeded bytes)."""
+        name = f"model.layers.{layer}.self_attn"
+        t = self.tensors[name]
+        torch.cuda._sleep(sleep_cycles)
+        index = torch.tensor(blocks, dtype=torch.long, device="cuda")
+        dim = 1 if t.dim() >= 3 and t.shape[0] == 2 and self.layout != "mla" else 0
+        picked = t.index_select(dim, index)
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        fresh = torch.randint(-(1 << 15), 1 << 15, picked.shape, dtype=torch.int16, device="cuda",
+                              generator=gen).view(t.dtype)
+        t.index_copy_(dim, index, fresh)
+
     def take_snapshot(self) -> None:
         self.snapshot = [t.clone() for t, _ in self.storage]
         torch.cuda.synchronize()
@@ -126,11 +141,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--layerwise", type=int, default=0, help="1: push layer by layer (the worker's layer events)")
     args = ap.parse_args()
     torch.cuda.set_device(0)
     kv = KV(args.layout, args.layers, args.blocks, args.block_size, args.heads, args.dim, args.seed)
     worker = PushWorker(socket_path=args.socket, rank=args.rank, tp_size=args.tp_size, role=args.role,
-                        reconnect_interval_s=0.05)
+                        reconnect_interval_s=0.05, layerwise=bool(args.layerwise),
+                        stream=lambda: torch.cuda.current_stream().cuda_stream)
     # The layer's KV heads on this rank, as vLLM's KV-cache spec says them (MLA: one row).
     heads = dict.fromkeys(kv.tensors, 1 if args.layout == "mla" else args.heads)
     share = share_kv(kv.tensors, args.blocks, heads=heads)
@@ -175,6 +192,24 @@ def _run(cmd: dict, worker: PushWorker, kv: KV, finished: dict[str, dict]) -> di
                  for r in cmd["requests"]}
         worker.start_step(StepPlan(sends=sends))
         return {"t": time.perf_counter()}
+    if op == "forward":
+        # One step whose forward pass ends the prefill of ``rid`` (layer-wise push): its
+        # SendStart before the pass, then each layer's kernels queued (busy first, then
+        # writing the layer's final KV) and saved (the layer's event recorded behind them,
+        # LayerSaved sent at once), then the pass's end. Nothing here waits for the GPU.
+        plan = StepPlan(layerwise={cmd["rid"]: wp.SendStart(request_id=cmd["rid"], block_ids=[cmd["blocks"]],
+                                                            step=cmd["step"])}, step=cmd["step"])
+        worker.begin_step(plan)
+        started = time.perf_counter()
+        for layer in range(len(kv.tensors)):
+            kv.compute_layer(layer, cmd["blocks"], cmd["seed"] + layer, cmd["sleep_cycles"])
+            worker.layer_saved(f"model.layers.{layer}.self_attn")
+        worker.start_step(plan)
+        worker.step_saved()
+        return {"queued_s": time.perf_counter() - started}
+    if op == "finished":  # the scheduler's word: the layer-wise requests finished
+        worker.start_step(StepPlan(sends={rid: wp.SendReady(request_id=rid, block_ids=[[]]) for rid in cmd["rids"]}))
+        return {}
     if op == "evict":  # vLLM dropped the requests (D: aborted while waiting for KV)
         worker.start_step(StepPlan(evictions=cmd["rids"]))
         return {}

@@ -2,7 +2,8 @@
 KV caches (``kvproc.py``), real NIXL. Bytes land exactly at the mapped blocks and nowhere
 else, in either order of the two legs, with prefix-hit tails and WRITEs in parts; verify
 mode; backpressure; kill -9 of either daemon with the workers staying up; an abort storm;
-and nothing leaks (GPU memory, NIXL handles, fds)."""
+layer-wise push gated by the worker's layer events; and nothing leaks (GPU memory, NIXL
+handles, fds)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,40 @@ def test_pushed_bytes_land_at_the_mapped_blocks_only(spawn: Spawner, layout: str
     assert p_daemon.metric("pushsvc_write_parts_total") > 6  # the large ones went in parts
     assert d_daemon.metric("pushsvc_landing_copies_total") >= 6
     assert d_daemon.metric("pushsvc_landing_slots", state="used") == 0
+
+
+def test_layerwise_push_posts_each_layer_once_its_kernels_ran(spawn: Spawner) -> None:
+    """P's worker queues a forward pass whose layers each keep the GPU busy ~2 ms before
+    writing their final KV, records each layer's event and says LayerSaved at once (the
+    CPU runs far ahead of the GPU). P's daemon posts a layer only once its event is done:
+    D's blocks hold P's final KV (a layer posted early would carry its old bytes), verify
+    identical, one WRITE per layer or a few layers at a time, and the request is reported
+    to vLLM only after the scheduler's word."""
+    p_daemon = spawn.daemon("prefill", "--verify")
+    d_daemon = spawn.daemon("decode", "--landing-mib", "512", "--verify")
+    p = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=P_BLOCKS, seed=11, layerwise=1)
+    d = spawn.worker(d_daemon, "consumer", layout="flash", layers=LAYERS, blocks=D_BLOCKS, seed=12)
+    p_blocks, d_blocks = [5, 9, 17, 3], [100, 7, 64, 2]
+    d.call("snapshot")
+    _recv(d, p_daemon, [("lw-0", d_blocks)])
+    deadline = time.monotonic() + 10
+    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out = p.call("forward", rid="lw-0", blocks=p_blocks, step=1, seed=900, sleep_cycles=4_000_000)
+    print(f"forward pass queued in {out['queued_s'] * 1e3:.1f} ms")
+    recvd = _wait(d, ["lw-0"])
+    assert not recvd["lw-0"]["errors"], recvd
+    assert d.call("digests", blocks=d_blocks)["digests"] == p.call("digests", blocks=p_blocks)["digests"]
+    assert sorted(d.call("changed")["blocks"]) == sorted(d_blocks)
+    assert d_daemon.metric("pushsvc_verify_total", result="identical") == 1
+    parts = p_daemon.metric("pushsvc_write_parts_total")
+    print(f"layer-wise push: {parts:.0f} WRITEs for {LAYERS} layers")
+    assert 1 < parts <= LAYERS, "the layers went as they became final, not all at once"
+    held = p.call("wait", rids=["lw-0"], timeout=0.5)
+    assert held["missing"] == ["lw-0"], "reported to vLLM before the scheduler's word"
+    p.call("finished", rids=["lw-0"])
+    _wait(p, ["lw-0"])
+    assert p_daemon.metric("pushsvc_transfers_total", result="done") == 1
 
 
 @pytest.mark.parametrize("layout", ["flash", "mla"])

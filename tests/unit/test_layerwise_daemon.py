@@ -29,9 +29,11 @@ from daemon_fixtures import (
     running_daemon,
     wait_until,
 )
-from gpu_fixtures import gpu_pair
+from gpu_fixtures import UUID, gpu_pair
 
+from pushsvc.devmem.fake import FakeDeviceMemory, FakeEvent
 from pushsvc.engine.fake import FakeEngine
+from pushsvc.errors import DaemonRefused
 from pushsvc.protocol import worker as wp
 from pushsvc.shm import SharedBuffer
 
@@ -41,9 +43,17 @@ P_BLOCKS, D_BLOCKS = 8, 12
 
 
 class LayerWorker(Worker):
-    """A worker whose regions are the K and V of ``LAYERS`` named layers, in one buffer."""
+    """A worker whose regions are the K and V of ``LAYERS`` named layers, in one buffer;
+    with ``gpu``, its KV is (fake) device memory exported by handle, and ``events`` are
+    its layer events (one per layer and one for the forward pass's end)."""
 
-    async def start_layers(self, blocks: int, seed: int) -> None:
+    def __init__(self, daemon, role, gpu: FakeDeviceMemory | None = None, events: int = LAYERS + 1) -> None:
+        super().__init__(daemon, role)
+        self.gpu = gpu
+        self.events: list[FakeEvent] = []
+        self._event_count = events
+
+    async def start_layers(self, blocks: int, seed: int) -> wp.KVRegistered:
         await self.connect()
         self.num_blocks, self.block_len = blocks, BLOCK
         self.buffer = SharedBuffer.create(2 * LAYERS * blocks * BLOCK)
@@ -52,7 +62,16 @@ class LayerWorker(Worker):
         self.initial = self.snapshot()
         regions = [wp.Region(buffer=0, offset=r * blocks * BLOCK, block_len=BLOCK, num_blocks=blocks,
                              layer_names=[f"model.layers.{r // 2}.self_attn"]) for r in range(2 * LAYERS)]
-        await asyncio.to_thread(self.client.register_kv, [self.buffer.fd], regions)
+        if self.gpu is None:
+            return await asyncio.to_thread(self.client.register_kv, [self.buffer.fd], regions)
+        handle = self.gpu.export(self.buffer.address, self.buffer.size)
+        memory = wp.CudaIpcBuffers(device_uuid=UUID, buffers=[wp.CudaIpcBuffer(handle=handle, size=self.buffer.size)])
+        handles = []
+        for _ in range(self._event_count):
+            event, h = self.gpu.export_event()
+            self.events.append(event)
+            handles.append(h)
+        return await asyncio.to_thread(self.client.register_kv, [], regions, memory=memory, layer_events=handles)
 
     def compute(self, layer: int, blocks: list[int], salt: int) -> None:
         """The forward pass writes layer ``layer``'s final KV into ``blocks``."""
@@ -251,11 +270,108 @@ async def test_bad_layer_messages_are_refused_and_the_connection_stays() -> None
 
 
 @pytest.mark.asyncio
-async def test_a_cuda_rank_refuses_layer_wise_push() -> None:
-    """KV on a GPU (the device faked in host memory): a layer is final only when its
-    kernels ran, which the daemon cannot see, so the request is refused, naming why."""
+async def test_a_cuda_rank_without_layer_events_refuses_layer_wise_push() -> None:
+    """KV on a GPU (the device faked in host memory) registered without layer events: a
+    layer is final only when its kernels ran, which only the events tell."""
     async with gpu_pair() as (pair, _devmem):
         pair.pw.send(wp.SendStart(request_id="g", block_ids=[[0]], step=1))
         failed = await pair.pw.wait_for(wp.SendFailed, "g")
-        assert "layer-wise push needs the KV cache in host memory" in failed.reason
+        assert "layer-wise push from a GPU needs the worker's layer events" in failed.reason
         assert pair.p.service.sender.layerwise.open_steps(pair.p.service.ranks.current[0]) == 0
+
+
+@contextlib.asynccontextmanager
+async def gpu_layer_pair(**p_config) -> AsyncIterator[tuple]:
+    """P's KV on a (fake) GPU with layer events, D's in host memory (so each layer's
+    landing is seen in D's blocks as it happens)."""
+    fake, devmem = FakeEngine(), FakeDeviceMemory()
+    devmem.add_device(UUID)
+    async with running_daemon(fake, P_ENGINE, devmem=devmem, **p_config) as p, \
+            running_daemon(fake, D_ENGINE) as d:
+        pw, dw = LayerWorker(p, "producer", gpu=devmem), LayerWorker(d, "consumer")
+        try:
+            await pw.start_layers(P_BLOCKS, seed=1)
+            await dw.start_layers(D_BLOCKS, seed=2)
+            yield devmem, p, d, pw, dw
+        finally:
+            pw.close()
+            dw.close()
+
+
+@pytest.mark.asyncio
+async def test_a_gpu_layer_goes_only_once_its_event_says_its_kernels_ran() -> None:
+    """The worker records a layer's event (its kernels queued), says LayerSaved, and the
+    kernels write the layer's KV only later: P's daemon posts it once the event is done,
+    so D gets the final bytes, never what the layer held before."""
+    async with gpu_layer_pair() as (_devmem, p, d, pw, dw):
+        p_blocks, d_blocks = [2, 5], [9, 1]
+        _recv(p, dw, "gpu", d_blocks)
+        await _registered(p)
+        pw.send(wp.SendStart(request_id="gpu", block_ids=[[2, 5]], step=3))
+        for layer in range(LAYERS):
+            pw.events[layer].record()
+            pw.send(wp.LayerSaved(step=3, layer=layer))
+            await pw.ping(layer)  # the daemon read it, and holds it
+            await dw.quiet_for(0.02)
+            assert _untouched(dw, d_blocks, layer), f"layer {layer} posted before its event was done"
+            pw.compute(layer, p_blocks, salt=60 + layer)  # the kernels run ...
+            pw.events[layer].finish()  # ... and finish
+            await wait_until(lambda: _landed(pw, dw, p_blocks, d_blocks, layer), f"layer {layer} at D")
+        assert await dw.wait_for(wp.RecvDone, "gpu")
+        assert await pw.wait_for(wp.SendDone, "gpu")
+        pw.events[-1].record()
+        pw.send(wp.StepSaved(step=3))
+        pw.events[-1].finish()
+        assert metric(p, "pushsvc_write_parts_total") == LAYERS
+        await assert_tables_empty(p, d)
+
+
+@pytest.mark.asyncio
+async def test_the_step_end_on_a_gpu_waits_for_its_own_event() -> None:
+    """Layers without a LayerSaved are final at the step's end, which on a GPU is when the
+    event recorded after the forward pass is done, not when StepSaved arrives."""
+    async with gpu_layer_pair() as (_devmem, p, d, pw, dw):
+        _recv(p, dw, "end", [4])
+        await _registered(p)
+        pw.send(wp.SendStart(request_id="end", block_ids=[[6]], step=8))
+        pw.events[-1].record()
+        pw.send(wp.StepSaved(step=8))
+        await pw.ping(1)
+        await dw.quiet_for(0.05)
+        assert all(_untouched(dw, [4], layer) for layer in range(LAYERS))
+        for layer in range(LAYERS):
+            pw.compute(layer, [6], salt=7)
+        pw.events[-1].finish()
+        assert await dw.wait_for(wp.RecvDone, "end")
+        assert all(_landed(pw, dw, [6], [4], layer) for layer in range(LAYERS))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("where", "words"), [
+    ("host", "layer events come with CUDA KV memory"),
+    ("count", "3 layer events for 4 layers"),
+    ("staging", "this daemon copies P's blocks into its staging buffer first"),
+])
+async def test_layer_events_that_cannot_serve_are_refused_at_registration(where: str, words: str) -> None:
+    fake, devmem = FakeEngine(), FakeDeviceMemory()
+    devmem.add_device(UUID)
+    config = {"staging_mib": 1} if where == "staging" else {}
+    async with running_daemon(fake, P_ENGINE, devmem=devmem, **config) as p:
+        worker = LayerWorker(p, "producer", gpu=None if where == "host" else devmem, events=3 if where == "count"
+                             else LAYERS + 1)
+        try:
+            if where == "host":  # host memory with event handles: the client would not send them; a raw one might
+                await worker.connect()
+                worker.buffer = SharedBuffer.create(2 * LAYERS * P_BLOCKS * BLOCK)
+                regions = [wp.Region(buffer=0, offset=r * P_BLOCKS * BLOCK, block_len=BLOCK, num_blocks=P_BLOCKS,
+                                     layer_names=[f"l{r // 2}"]) for r in range(2 * LAYERS)]
+                with pytest.raises(DaemonRefused, match=words):
+                    await asyncio.to_thread(worker.client.register_kv, [worker.buffer.fd], regions,
+                                            layer_events=[devmem.export_event()[1]])
+            else:
+                with pytest.raises(DaemonRefused, match=words):
+                    await worker.start_layers(P_BLOCKS, seed=1)
+            assert all(e.opened == 0 for e in devmem.events.values()), "an event left open"
+            assert devmem.usage()["imported"] == 0
+        finally:
+            worker.close()
