@@ -87,14 +87,21 @@ class LayerWorker(Worker):
 
 
 @contextlib.asynccontextmanager
-async def layer_pair(**config) -> AsyncIterator[tuple]:
+async def layer_pair(*, gpu: bool = False, **config) -> AsyncIterator[tuple]:
+    """P and D daemons (``config`` for both), each with a ``LayerWorker``; with ``gpu``,
+    P's KV is on a (fake) GPU and has layer events, D's stays in host memory (so each
+    layer's landing is seen in D's blocks as it happens)."""
     fake = FakeEngine()
-    async with running_daemon(fake, P_ENGINE, **config) as p, running_daemon(fake, D_ENGINE, **config) as d:
-        pw, dw = LayerWorker(p, "producer"), LayerWorker(d, "consumer")
+    devmem = FakeDeviceMemory() if gpu else None
+    if devmem is not None:
+        devmem.add_device(UUID)
+    async with running_daemon(fake, P_ENGINE, devmem=devmem, **config) as p, \
+            running_daemon(fake, D_ENGINE, **config) as d:
+        pw, dw = LayerWorker(p, "producer", gpu=devmem), LayerWorker(d, "consumer")
         try:
             await pw.start_layers(P_BLOCKS, seed=1)
             await dw.start_layers(D_BLOCKS, seed=2)
-            yield fake, p, d, pw, dw
+            yield p, d, pw, dw
         finally:
             pw.close()
             dw.close()
@@ -125,7 +132,7 @@ def _untouched(dw: LayerWorker, d_blocks: list[int], layer: int) -> bool:
 
 @pytest.mark.asyncio
 async def test_each_layer_goes_once_final_and_d_hears_once_the_last_one_landed() -> None:
-    async with layer_pair() as (_fake, p, d, pw, dw):
+    async with layer_pair() as (p, d, pw, dw):
         p_blocks, d_blocks = [1, 4, 6], [10, 0, 7]
         _recv(p, dw, "d-1", d_blocks)
         await _registered(p)
@@ -156,7 +163,7 @@ async def test_each_layer_goes_once_final_and_d_hears_once_the_last_one_landed()
 
 @pytest.mark.asyncio
 async def test_a_registration_that_comes_mid_step_takes_what_is_final_then_the_rest() -> None:
-    async with layer_pair() as (_fake, p, d, pw, dw):
+    async with layer_pair() as (p, d, pw, dw):
         p_blocks, d_blocks = [2, 3], [5, 6]
         pw.send(wp.SendStart(request_id="mid", block_ids=[p_blocks], step=1))
         for layer in (0, 1):
@@ -180,7 +187,7 @@ async def test_a_registration_that_comes_mid_step_takes_what_is_final_then_the_r
 
 @pytest.mark.asyncio
 async def test_a_registration_after_the_step_is_pushed_whole() -> None:
-    async with layer_pair() as (_fake, p, d, pw, dw):
+    async with layer_pair() as (p, d, pw, dw):
         pw.send(wp.SendStart(request_id="late", block_ids=[[0, 1]], step=3))
         for layer in range(LAYERS):
             pw.compute(layer, [0, 1], salt=5)
@@ -195,7 +202,7 @@ async def test_a_registration_after_the_step_is_pushed_whole() -> None:
 
 @pytest.mark.asyncio
 async def test_verify_mode_digests_the_final_bytes() -> None:
-    async with layer_pair(verify=True) as (_fake, p, d, pw, dw):
+    async with layer_pair(verify=True) as (p, d, pw, dw):
         _recv(p, dw, "v", [1, 2, 3])
         await _registered(p)
         pw.send(wp.SendStart(request_id="v", block_ids=[[4, 5, 6]], step=2))
@@ -211,7 +218,7 @@ async def test_verify_mode_digests_the_final_bytes() -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("who", ["p_evicts", "p_worker_leaves", "d_withdraws"])
 async def test_a_push_stopped_mid_step_writes_nothing_more_and_both_sides_hear(who: str) -> None:
-    async with layer_pair() as (_fake, p, d, pw, dw):
+    async with layer_pair() as (p, d, pw, dw):
         p_blocks, d_blocks = [0, 7], [3, 11]
         _recv(p, dw, "x", d_blocks)
         await _registered(p)
@@ -248,7 +255,7 @@ async def test_a_push_stopped_mid_step_writes_nothing_more_and_both_sides_hear(w
 
 @pytest.mark.asyncio
 async def test_bad_layer_messages_are_refused_and_the_connection_stays() -> None:
-    async with layer_pair(lease_s=LONG_S) as (_fake, p, d, pw, dw):
+    async with layer_pair(lease_s=LONG_S) as (p, d, pw, dw):
         pw.send(wp.LayerSaved(step=1, layer=LAYERS))  # the worker registered 4 layers
         error = await pw.wait_for(wp.Error)
         assert "layer 4: this worker registered 4 layers" in error.message
@@ -280,30 +287,12 @@ async def test_a_cuda_rank_without_layer_events_refuses_layer_wise_push() -> Non
         assert pair.p.service.sender.layerwise.open_steps(pair.p.service.ranks.current[0]) == 0
 
 
-@contextlib.asynccontextmanager
-async def gpu_layer_pair(**p_config) -> AsyncIterator[tuple]:
-    """P's KV on a (fake) GPU with layer events, D's in host memory (so each layer's
-    landing is seen in D's blocks as it happens)."""
-    fake, devmem = FakeEngine(), FakeDeviceMemory()
-    devmem.add_device(UUID)
-    async with running_daemon(fake, P_ENGINE, devmem=devmem, **p_config) as p, \
-            running_daemon(fake, D_ENGINE) as d:
-        pw, dw = LayerWorker(p, "producer", gpu=devmem), LayerWorker(d, "consumer")
-        try:
-            await pw.start_layers(P_BLOCKS, seed=1)
-            await dw.start_layers(D_BLOCKS, seed=2)
-            yield devmem, p, d, pw, dw
-        finally:
-            pw.close()
-            dw.close()
-
-
 @pytest.mark.asyncio
 async def test_a_gpu_layer_goes_only_once_its_event_says_its_kernels_ran() -> None:
     """The worker records a layer's event (its kernels queued), says LayerSaved, and the
     kernels write the layer's KV only later: P's daemon posts it once the event is done,
     so D gets the final bytes, never what the layer held before."""
-    async with gpu_layer_pair() as (_devmem, p, d, pw, dw):
+    async with layer_pair(gpu=True) as (p, d, pw, dw):
         p_blocks, d_blocks = [2, 5], [9, 1]
         _recv(p, dw, "gpu", d_blocks)
         await _registered(p)
@@ -330,7 +319,7 @@ async def test_a_gpu_layer_goes_only_once_its_event_says_its_kernels_ran() -> No
 async def test_the_step_end_on_a_gpu_waits_for_its_own_event() -> None:
     """Layers without a LayerSaved are final at the step's end, which on a GPU is when the
     event recorded after the forward pass is done, not when StepSaved arrives."""
-    async with gpu_layer_pair() as (_devmem, p, d, pw, dw):
+    async with layer_pair(gpu=True) as (p, d, pw, dw):
         _recv(p, dw, "end", [4])
         await _registered(p)
         pw.send(wp.SendStart(request_id="end", block_ids=[[6]], step=8))
