@@ -32,14 +32,14 @@ log = structlog.get_logger("pushsvc.landing")
 Action = Callable[[str], None]
 
 
-def launch_copies(copier: Copier, regions: Sequence[int], grant: Grant, block_ids: list[list[int]],
+def launch_copies(copier: Copier, regions: Sequence[int], grant: Grant, block_ids: Sequence[Sequence[int]],
                   blocks_per_logical: int, into: list[CopyJob]) -> None:
     """One launch per KV group between ``grant``'s slots and ``block_ids``, over ``regions``,
     in the direction of ``copier``'s plan (D's landing: slots -> blocks; P's staging: blocks
     -> slots); each job goes into ``into`` as soon as it is launched, so a DeviceError from
     a later group leaves the earlier jobs there to be waited for."""
     for g, ids in enumerate(block_ids):
-        first, count = copier.plan.span(regions, g) if ids else (0, 0)
+        first, count = copier.plan.span(regions, g) if len(ids) else (0, 0)
         if not count:
             continue
         slots = physical_blocks(np.arange(grant.starts[g], grant.starts[g] + len(ids)), blocks_per_logical)
@@ -59,6 +59,7 @@ class _Entry:
     rid: str
     block_ids: list[list[int]]  # the worker's logical ids, per group
     asked_at: float
+    ids: list[np.ndarray]  # ... as arrays, made once (each part's copy reads them)
     grant: Grant | None = None  # None while waiting for slots
     parts: int = 0  # k, from the first part's notification
     arrived: set[int] = field(default_factory=set)
@@ -114,7 +115,8 @@ class Landing:
                              f"({geometry.nbytes >> 20} MiB; raise landing_mib)")
         if outcome is AllocOutcome.DUPLICATE:
             return outcome, "request id already holds landing slots"
-        state.entries[rid] = _Entry(rid, [list(ids) for ids in block_ids], self._now(), grant)
+        state.entries[rid] = _Entry(rid, [list(ids) for ids in block_ids], self._now(),
+                                    [np.asarray(ids, dtype=np.int64) for ids in block_ids], grant)
         if outcome is AllocOutcome.QUEUED:
             self._metrics.landing_waits.inc()
             log.info("landing_wait", request_id=rid, rank=rank.number, blocks=max(counts),
@@ -172,7 +174,7 @@ class Landing:
         assert grant is not None
         launched = len(entry.copies)
         try:
-            launch_copies(memory.copier, regions, grant, entry.block_ids, bpl, entry.copies)
+            launch_copies(memory.copier, regions, grant, entry.ids, bpl, entry.copies)
         except DeviceError as exc:
             entry.error = str(exc)
             log.error("landing_copy_failed", request_id=entry.rid, rank=rank.number, error=entry.error)

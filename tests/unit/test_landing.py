@@ -228,8 +228,12 @@ def test_split_plan_keeps_every_pair_once_in_its_part(counts, parts, bpl) -> Non
                         np.concatenate([p.dst_indices for p in pieces]).tolist()))
     assert joined == sorted(zip(plan.src_indices.tolist(), plan.dst_indices.tolist()))
     assert sum(p.nbytes for p in pieces) == plan.nbytes
+    # Each part is one run of the plan, in its order (views, not copies).
+    assert np.concatenate([p.src_indices for p in pieces]).tolist() == plan.src_indices.tolist()
+    assert np.concatenate([p.dst_indices for p in pieces]).tolist() == plan.dst_indices.tolist()
     for i, piece in enumerate(pieces):
         assert set(piece.regions.tolist()) <= set(part_regions(len(regions), parts, i))
+        assert piece.nbytes == int(piece.lengths.sum()) == 32 * len(piece.src_indices)
 
 
 # ---------------------------------------------------------------- allocator
