@@ -16,7 +16,7 @@ from pushsvc.protocol import peer as pp
 from pushsvc.server.ranks import RankMemory
 from pushsvc.server.verify import digest_memory
 from pushsvc.state.landing import parts_for
-from pushsvc.state.layerwise import Progress, postable
+from pushsvc.state.layerwise import Progress, postable, region_runs
 from pushsvc.state.layout import Layout, WritePlan, plan_write, split_plan
 from pushsvc.state.producer import Match
 
@@ -33,10 +33,13 @@ class LayerPost:
     local: DListHandle
     remote: DListHandle
     descs: np.ndarray  # the source's descriptor table (P's digests, in verify mode, are over it)
-    posted: np.ndarray = field(init=False)
+    edges: np.ndarray = field(init=False)  # region r's pairs: plan[edges[r]:edges[r + 1]]
+    posted: np.ndarray = field(init=False)  # per region the plan numbers: its pairs went
 
     def __post_init__(self) -> None:
-        self.posted = np.zeros(len(self.plan.src_indices), dtype=bool)
+        assert self.plan.regions is not None
+        self.edges = region_runs(self.plan.regions)
+        self.posted = np.diff(self.edges) == 0  # a region without pairs has nothing to post
 
     @property
     def all_posted(self) -> bool:
@@ -46,16 +49,17 @@ class LayerPost:
         """Post the descriptors that are final and not posted yet, as one WRITE without a
         notification: its handle (None if there was nothing to post), its first state, and
         why it could not be posted ("" if it was)."""
-        assert self.plan.regions is not None
-        ready = postable(self.plan.regions, self.progress.final, self.posted)
-        if not ready.any():
+        ready = postable(self.progress.final, self.posted)
+        if not len(ready):
             return None, XferState.DONE, ""
+        runs = [slice(self.edges[r], self.edges[r + 1]) for r in ready.tolist()]
+        src = np.concatenate([self.plan.src_indices[run] for run in runs])
+        dst = np.concatenate([self.plan.dst_indices[run] for run in runs])
         try:
-            handle, state = agent.write(self.local, self.plan.src_indices[ready], self.remote,
-                                        self.plan.dst_indices[ready], b"")
+            handle, state = agent.write(self.local, src, self.remote, dst, b"")
         except TransferError as exc:
             return None, XferState.ERR, str(exc)
-        self.posted |= ready
+        self.posted[ready] = True
         return handle, state, ""
 
 

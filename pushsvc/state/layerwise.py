@@ -74,7 +74,16 @@ class Progress:
         return bool(self.final.all())
 
 
-def postable(plan_regions: np.ndarray, final: np.ndarray, posted: np.ndarray) -> np.ndarray:
-    """The descriptors of a plan (``plan_regions``: each one's source region) whose region
-    is final (``final``, per region of the rank) and that are not ``posted`` yet."""
-    return final[plan_regions % len(final)] & ~posted
+def region_runs(plan_regions: np.ndarray) -> np.ndarray:
+    """Where each region's pairs lie in a plan listed in region order (``plan_write``'s):
+    region ``r``'s are ``edges[r]:edges[r + 1]`` (empty for a region with none)."""
+    count = int(plan_regions[-1]) + 1 if len(plan_regions) else 0
+    return np.searchsorted(plan_regions, np.arange(count + 1, dtype=plan_regions.dtype), side="left")
+
+
+def postable(final: np.ndarray, posted: np.ndarray) -> np.ndarray:
+    """The plan's regions (``posted``: one flag per region the plan numbers) that are
+    final (``final``, per region of the rank) and not posted yet, in order. Work per
+    call is per region, not per descriptor: a layer's save of a long prompt costs the same
+    as a short one's."""
+    return np.flatnonzero(final[np.arange(len(posted)) % len(final)] & ~posted)

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pushsvc.state.layerwise import LayerMap, Progress, postable
+from pushsvc.state.layerwise import LayerMap, Progress, postable, region_runs
 from pushsvc.state.stages import keys
 
 
@@ -28,11 +28,16 @@ def test_a_region_is_final_once_every_layer_it_names_is_and_unnamed_ones_at_the_
 
 def test_postable_maps_a_joints_repeated_regions_back_and_skips_what_went() -> None:
     final = np.array([True, False])
-    plan_regions = np.array([0, 0, 1, 1, 2, 2, 3, 3])  # two members, two regions each
-    posted = np.zeros(8, dtype=bool)
-    assert list(postable(plan_regions, final, posted)) == [True, True, False, False, True, True, False, False]
-    posted[:2] = True
-    assert list(postable(plan_regions, final, posted)) == [False, False, False, False, True, True, False, False]
+    posted = np.zeros(4, dtype=bool)  # a joint's plan: two members, two regions each
+    assert postable(final, posted).tolist() == [0, 2]
+    posted[0] = True
+    assert postable(final, posted).tolist() == [2]
+
+
+def test_region_runs_find_each_regions_pairs_in_a_region_ordered_plan() -> None:
+    edges = region_runs(np.array([0, 0, 2, 2, 2, 3], dtype=np.int32))
+    assert edges.tolist() == [0, 2, 2, 5, 6]  # region 1 has no pair
+    assert region_runs(np.empty(0, dtype=np.int32)).tolist() == [0]
 
 
 @given(st.integers(1, 6), st.data())
@@ -40,16 +45,23 @@ def test_saving_every_layer_in_any_order_posts_each_descriptor_exactly_once(laye
     names = [f"l{i}" for i in range(layers)]
     regions = data.draw(st.lists(st.sampled_from(names).map(lambda n: [n]), min_size=1, max_size=12))
     layer_map = LayerMap(keys(regions))
-    plan_regions = np.array(data.draw(st.lists(st.integers(0, len(regions) - 1), max_size=40)), dtype=np.int64)
+    # A plan lists its pairs in region order (plan_write); some regions have none.
+    plan_regions = np.array(sorted(data.draw(st.lists(st.integers(0, len(regions) - 1), max_size=40))),
+                            dtype=np.int32)
+    edges = region_runs(plan_regions)
     progress = Progress(layer_map)
-    posted = np.zeros(len(plan_regions), dtype=bool)
+    posted = np.diff(edges) == 0
+    went: list[int] = []
     order = data.draw(st.permutations(range(layer_map.layers)))
     for layer in order:
         progress.save(layer)
-        ready = postable(plan_regions, progress.final, posted)
-        assert not (ready & posted).any()
+        ready = postable(progress.final, posted)
+        assert not posted[ready].any()
         # Only descriptors of regions whose layer was saved so far.
         saved = {layer_map.names[i] for i in order[:order.index(layer) + 1]}
-        assert all(regions[r][0] in saved for r in plan_regions[ready])
-        posted |= ready
+        pairs = [i for r in ready.tolist() for i in range(edges[r], edges[r + 1])]
+        assert all(regions[plan_regions[i]][0] in saved for i in pairs)
+        went += pairs
+        posted[ready] = True
     assert progress.complete and posted.all()
+    assert sorted(went) == list(range(len(plan_regions))), "each descriptor posted exactly once"
