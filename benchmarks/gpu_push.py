@@ -159,10 +159,11 @@ def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeat
 class _Proc:
     """A kvproc worker driven asynchronously: commands out, replies read when wanted."""
 
-    def __init__(self, daemon, role: str, blocks: int, seed: int) -> None:
+    def __init__(self, daemon, role: str, blocks: int, seed: int, layerwise: bool = False) -> None:
         from gpuprocs import GpuWorker  # tests/gpu
 
-        self.w = GpuWorker(daemon, role, layout="flash", layers=LAYERS, blocks=blocks, seed=seed)
+        self.w = GpuWorker(daemon, role, layout="flash", layers=LAYERS, blocks=blocks, seed=seed,
+                           layerwise=int(layerwise))
 
     def send(self, op: str, **kw) -> None:
         self.w.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
@@ -305,6 +306,66 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     return out
 
 
+def layerwise_compare(sizes: list[int], total_blocks: int, repeats: int, sleep_cycles: int) -> dict:
+    """P's worker runs a forward pass of 32 layers (each keeps the GPU busy
+    ``sleep_cycles``, then writes its layer's KV of the request's blocks); D's worker
+    waits for the KV. Whole-request push: the pass, then ``SendReady``. Layer-wise push:
+    ``SendStart`` before the pass, each layer posted once its event is done. Timed on
+    the host's clock from the GPU finishing the pass to D's worker seeing ``RecvDone``:
+    what of the transfer is left after the prefill."""
+    from procs import start_daemon
+
+    out: dict = {}
+    landing_mib = (total_blocks * BLOCK_BYTES >> 20) + 64
+    for mode in ("whole", "layerwise"):
+        base = Path(tempfile.mkdtemp(prefix=f"psbench-gpu-{mode}-"))
+        p_daemon = start_daemon(base, "prefill", "--gpu", "on", timeout=120)
+        d_daemon = start_daemon(base, "decode", "--gpu", "on", "--landing-mib", str(landing_mib), timeout=120)
+        p = _Proc(p_daemon, "producer", total_blocks, 1, layerwise=mode == "layerwise")
+        d = _Proc(d_daemon, "consumer", total_blocks, 2)
+        seq = 0
+        try:
+            for n in sizes:
+                p_ids, d_ids = _block_sets(n, total_blocks, "contiguous", n + 7)
+                after = []
+                for rep in range(repeats + 1):
+                    rid, seq = f"{mode}-{n}-{rep}", seq + 1
+                    regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
+                    d.call("recv", p_engine="prefill", p_port=p_daemon.side_port,
+                           requests=[{"rid": rid, "blocks": d_ids}])
+                    deadline = time.monotonic() + 10
+                    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") <= regs:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("D's registration never reached P")
+                        time.sleep(0.001)
+                    d.send("wait", rids=[rid], timeout=60, spin=True)
+                    time.sleep(0.002)
+                    pass_args = {"blocks": p_ids, "seed": 100 + seq, "sleep_cycles": sleep_cycles}
+                    if mode == "layerwise":
+                        done = p.call("forward", rid=rid, step=seq, sync=True, **pass_args)["t"]
+                    else:
+                        done = p.call("compute", **pass_args)["t"]
+                        p.call("send", requests=[{"rid": rid, "blocks": p_ids}])
+                    fin = d.reply()["finished"][rid]
+                    if fin["errors"]:
+                        raise RuntimeError(f"{rid}: load failed")
+                    if mode == "layerwise":
+                        p.call("finished", rids=[rid])
+                    p.call("wait", rids=[rid], timeout=60)
+                    if rep:  # the first is a warm-up
+                        after.append(fin["t"] - done)
+                out[(mode, n)] = statistics.median(after)
+                print(f"  {mode:9s} {n:5d} blocks: RecvDone {out[(mode, n)] * 1e3:8.3f} ms after the pass's end "
+                      f"(p90 {np.percentile(after, 90) * 1e3:.3f})", flush=True)
+            out[(mode, "parts")] = p_daemon.metric("pushsvc_write_parts_total")
+        finally:
+            for w in (p, d):
+                w.w.close()
+            for daemon in (p_daemon, d_daemon):
+                daemon.stop()
+    return out
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -349,12 +410,28 @@ def main() -> None:
                     help="the daemons' and the in-process anchor's UCX error handling (docs/architecture.md)")
     ap.add_argument("--phases", action="store_true",
                     help="daemon push only, daemons logging at debug: where each push's time goes")
+    ap.add_argument("--layerwise", action="store_true",
+                    help="only whole-request against layer-wise push after a simulated forward pass")
+    ap.add_argument("--layer-cycles", type=int, default=2_000_000,
+                    help="--layerwise: GPU cycles each layer is kept busy (~1 ms at 2 GHz)")
     args = ap.parse_args()
     sizes = [int(b) for b in args.blocks.split(",")]
     patterns = args.patterns.split(",")
     total = max(sizes) + 256
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.layerwise:
+        got = layerwise_compare(sizes, total, args.repeats, args.layer_cycles)
+        rows = [{"blocks": n, "mib": n * BLOCK_BYTES >> 20, "whole_ms": got[("whole", n)] * 1e3,
+                 "layerwise_ms": got[("layerwise", n)] * 1e3} for n in sizes]
+        print("\n| blocks | MiB | whole-request push: RecvDone after the pass, ms | layer-wise push, ms |")
+        print("|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['blocks']} | {r['mib']} | {r['whole_ms']:.3f} | {r['layerwise_ms']:.3f} |")
+        (out_dir / "gpu_layerwise.json").write_text(json.dumps(
+            {"layer_cycles": args.layer_cycles, "repeats": args.repeats, "rows": rows,
+             "write_parts": {"whole": got[("whole", "parts")], "layerwise": got[("layerwise", "parts")]}}, indent=2))
+        return
     if args.phases:
         push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug",
                            part_mib=args.part_mib, staging_mib=args.staging_mib,

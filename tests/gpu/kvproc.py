@@ -206,7 +206,15 @@ def _run(cmd: dict, worker: PushWorker, kv: KV, finished: dict[str, dict]) -> di
             worker.layer_saved(f"model.layers.{layer}.self_attn")
         worker.start_step(plan)
         worker.step_saved()
-        return {"queued_s": time.perf_counter() - started}
+        queued = time.perf_counter() - started
+        if cmd.get("sync"):  # the pass's end on the GPU, on this host's clock
+            torch.cuda.synchronize()
+        return {"queued_s": queued, "t": time.perf_counter()}
+    if op == "compute":  # the same forward pass without layer-wise push, waited for
+        for layer in range(len(kv.tensors)):
+            kv.compute_layer(layer, cmd["blocks"], cmd["seed"] + layer, cmd["sleep_cycles"])
+        torch.cuda.synchronize()
+        return {"t": time.perf_counter()}
     if op == "finished":  # the scheduler's word: the layer-wise requests finished
         worker.start_step(StepPlan(sends={rid: wp.SendReady(request_id=rid, block_ids=[[]]) for rid in cmd["rids"]}))
         return {}
