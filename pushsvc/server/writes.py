@@ -16,8 +16,8 @@ from pushsvc.protocol import peer as pp
 from pushsvc.server.ranks import RankMemory
 from pushsvc.server.verify import digest_memory
 from pushsvc.state.landing import parts_for
-from pushsvc.state.layerwise import Progress, postable, region_runs
-from pushsvc.state.layout import Layout, WritePlan, plan_write, split_plan
+from pushsvc.state.layerwise import Progress, postable
+from pushsvc.state.layout import Layout, WritePlan, plan_write, region_edges, split_plan
 from pushsvc.state.producer import Match
 
 log = structlog.get_logger("pushsvc.sender")
@@ -38,7 +38,7 @@ class LayerPost:
 
     def __post_init__(self) -> None:
         assert self.plan.regions is not None
-        self.edges = region_runs(self.plan.regions)
+        self.edges = region_edges(self.plan.regions, self.plan.region_count)
         self.posted = np.diff(self.edges) == 0  # a region without pairs has nothing to post
 
     @property

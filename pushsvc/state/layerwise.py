@@ -74,13 +74,6 @@ class Progress:
         return bool(self.final.all())
 
 
-def region_runs(plan_regions: np.ndarray) -> np.ndarray:
-    """Where each region's pairs lie in a plan listed in region order (``plan_write``'s):
-    region ``r``'s are ``edges[r]:edges[r + 1]`` (empty for a region with none)."""
-    count = int(plan_regions[-1]) + 1 if len(plan_regions) else 0
-    return np.searchsorted(plan_regions, np.arange(count + 1, dtype=plan_regions.dtype), side="left")
-
-
 def postable(final: np.ndarray, posted: np.ndarray) -> np.ndarray:
     """The plan's regions (``posted``: one flag per region the plan numbers) that are
     final (``final``, per region of the rank) and not posted yet, in order. Work per

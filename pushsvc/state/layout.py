@@ -262,6 +262,14 @@ def plan_write(
                      regions=regions, lengths=lengths, region_count=len(dst.regions))
 
 
+def region_edges(plan_regions: np.ndarray, count: int) -> np.ndarray:
+    """Where each region's pairs lie in a plan listed in region order (``plan_write``'s;
+    ``plan_regions`` is its ``regions``, ``count`` how many regions it numbers): region
+    ``r``'s are ``edges[r]:edges[r + 1]``, empty for a region with none. One binary
+    search per region."""
+    return np.searchsorted(plan_regions, np.arange(count + 1, dtype=plan_regions.dtype), side="left")
+
+
 def split_plan(plan: WritePlan, parts: int) -> list[WritePlan]:
     """Cut ``plan`` into ``parts`` WRITEs by region: part ``i`` carries every pair of the
     regions ``part_regions(region_count, parts, i)``. D cuts its copies the same way.
@@ -273,9 +281,8 @@ def split_plan(plan: WritePlan, parts: int) -> list[WritePlan]:
         return [plan]
     assert plan.regions is not None and plan.lengths is not None
     regions = plan.region_count
-    # Where each region's run starts (one binary search per region) and its bytes: a
-    # region's pairs all have its block length.
-    edges = np.searchsorted(plan.regions, np.arange(regions + 1, dtype=plan.regions.dtype), side="left")
+    # Each region's run and its bytes: a region's pairs all have its block length.
+    edges = region_edges(plan.regions, regions)
     counts = np.diff(edges)
     first_pair = np.minimum(edges[:-1], max(len(plan.lengths) - 1, 0))
     region_bytes = plan.lengths[first_pair] * counts if len(plan.lengths) else counts
