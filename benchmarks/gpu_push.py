@@ -180,6 +180,25 @@ class _Proc:
         return self.reply()
 
 
+def _registered(p_daemon, d: "_Proc", rid: str, d_ids: list[int]) -> None:
+    """D's worker registers ``rid`` into ``d_ids``; once P's daemon has the registration,
+    D's worker waits for it (polling from then on, its reply read by the caller)."""
+    regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
+    d.call("recv", p_engine="prefill", p_port=p_daemon.side_port, requests=[{"rid": rid, "blocks": d_ids}])
+    deadline = time.monotonic() + 10
+    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") <= regs:
+        if time.monotonic() > deadline:
+            raise RuntimeError("D's registration never reached P")
+        time.sleep(0.001)
+    d.send("wait", rids=[rid], timeout=60, spin=True)
+    time.sleep(0.002)
+
+
+# The events of a WRITE in parts, printed per size: P posting them, D hearing of the
+# first and the last, D's copies done.
+_SPREAD = ("P write_posted", "D first_part_landed", "D completion", "D copies_done", "D recv_done")
+
+
 def _hist(daemon, name: str) -> tuple[float, float]:
     return daemon.metric(f"{name}_sum"), daemon.metric(f"{name}_count")
 
@@ -249,22 +268,14 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
                             str(landing_mib), *mode, timeout=120)
     p = _Proc(p_daemon, "producer", total_blocks, 1)
     d = _Proc(d_daemon, "consumer", total_blocks, 2)
-    out: dict = {"push": {}, "exposed": {}, "parts": {}}
+    out: dict = {"push": {}, "exposed": {}, "parts": {}, "timelines": {}}
     seq = 0
 
     def one(n: int, p_ids: list[int], d_ids: list[int]) -> tuple[float, float]:
         nonlocal seq
         rid = f"b{seq}"
         seq += 1
-        regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
-        d.call("recv", p_engine="prefill", p_port=p_daemon.side_port, requests=[{"rid": rid, "blocks": d_ids}])
-        deadline = time.monotonic() + 10
-        while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") <= regs:
-            if time.monotonic() > deadline:
-                raise RuntimeError("D's registration never reached P")
-            time.sleep(0.001)
-        d.send("wait", rids=[rid], timeout=60, spin=True)  # D's worker polls from now on
-        time.sleep(0.002)
+        _registered(p_daemon, d, rid, d_ids)
         t0 = p.call("send", requests=[{"rid": rid, "blocks": p_ids}])["t"]
         got = d.reply()
         p.call("wait", rids=[rid], timeout=60)
@@ -281,6 +292,7 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
             one(n, p_ids, d_ids)  # warm-up
             exp0, parts0 = _hist(d_daemon, "pushsvc_landing_exposed_seconds"), p_daemon.metric(
                 "pushsvc_write_parts_total")
+            first = seq
             times = [one(n, p_ids, d_ids)[0] for _ in range(repeats)]
             exp1, parts1 = _hist(d_daemon, "pushsvc_landing_exposed_seconds"), p_daemon.metric(
                 "pushsvc_write_parts_total")
@@ -290,6 +302,10 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
             print(f"  daemon push     {pattern:10s} {n:5d} blocks: {out['push'][(pattern, n)] * 1e3:8.3f} ms "
                   f"(exposed copy {out['exposed'][(pattern, n)] * 1e3:.3f} ms, "
                   f"{out['parts'][(pattern, n)]:.0f} parts)", flush=True)
+            if out["parts"][(pattern, n)] > 1:  # how the parts spread: posting, landing, copies
+                spread = timeline_medians(p_daemon, d_daemon, [f"b{i}" for i in range(first, seq)])
+                out["timelines"][f"{pattern} {n}"] = spread
+                print("    " + ", ".join(f"{k} {v:.2f}" for k, v in spread.items() if k in _SPREAD), flush=True)
     first_small = seq
     small = [one(1, [5], [9])[0] for _ in range(small_reps)]
     out["small_rids"] = [f"b{i}" for i in range(first_small, seq)]
@@ -330,16 +346,7 @@ def layerwise_compare(sizes: list[int], total_blocks: int, repeats: int, sleep_c
                 after = []
                 for rep in range(repeats + 1):
                     rid, seq = f"{mode}-{n}-{rep}", seq + 1
-                    regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
-                    d.call("recv", p_engine="prefill", p_port=p_daemon.side_port,
-                           requests=[{"rid": rid, "blocks": d_ids}])
-                    deadline = time.monotonic() + 10
-                    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") <= regs:
-                        if time.monotonic() > deadline:
-                            raise RuntimeError("D's registration never reached P")
-                        time.sleep(0.001)
-                    d.send("wait", rids=[rid], timeout=60, spin=True)
-                    time.sleep(0.002)
+                    _registered(p_daemon, d, rid, d_ids)
                     pass_args = {"blocks": p_ids, "seed": 100 + seq, "sleep_cycles": sleep_cycles}
                     if mode == "layerwise":
                         done = p.call("forward", rid=rid, step=seq, sync=True, **pass_args)["t"]
@@ -463,7 +470,7 @@ def main() -> None:
                          "daemon_vs_nixl": a / d, "exposed_copy_s": push["exposed"][(pattern, n)],
                          "exposed_share": push["exposed"][(pattern, n)] / d, "parts": push["parts"][(pattern, n)]})
     result = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, "small_request": push["small"],
-              "small_timeline_ms": push["small_timeline_ms"],
+              "small_timeline_ms": push["small_timeline_ms"], "part_timelines_ms": push["timelines"],
               "layout": {"layers": LAYERS, "block_size": BLOCK_SIZE, "kv_heads": HEADS, "head_dim": DIM,
                          "dtype": "bfloat16", "block_bytes": BLOCK_BYTES},
               "daemon_info": push["daemon_info"], "write_part_mib": args.part_mib,

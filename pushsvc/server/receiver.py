@@ -291,6 +291,8 @@ class Receiver:
             if landed is PartOutcome.MALFORMED:
                 self._malformed("notification", "part", sender, ProtocolError(f"part {index} of {parts} again"))
                 return
+            if parts > 1:  # a timeline keeps an event's first time: the first part's
+                self._timelines.mark(rank, RECV, rid, "first_part_landed")
             if landed is PartOutcome.MORE:
                 self._metrics.notifications.labels("part").inc()
                 self._wake()

@@ -131,8 +131,13 @@ def plan_push(memory: RankMemory, remote: Layout, match: Match, target: pp.Agent
 def post_parts(agent: Agent, remote: DListHandle, remote_agent: str, push: PushPlan,
                rid: str, tp_size: int) -> tuple[list[XferHandle], list[XferState], str]:
     """Post the WRITE's parts, each with its notification; stop at the first that fails
-    to post (those posted land and settle as usual). Returns the handles, their first
-    states and why posting stopped ("" if it did not)."""
+    to post (those posted land and settle as usual). Returns the handles, their latest
+    states and why posting stopped ("" if it did not).
+
+    A part still in progress when posted gets its notification sent by NIXL only when
+    its state is checked and found done. So after each post the parts posted before it
+    are checked: a part that landed is announced to D while later parts are still being
+    posted, and D copies it out meanwhile (not all parts at once after the last post)."""
     handles: list[XferHandle] = []
     states: list[XferState] = []
     parts = push.parts
@@ -145,6 +150,9 @@ def post_parts(agent: Agent, remote: DListHandle, remote_agent: str, push: PushP
             handle, xstate = agent.write(push.local, piece.src_indices, remote, piece.dst_indices, note)
         except TransferError as exc:
             return handles, states, str(exc)
+        for j, earlier in enumerate(states):
+            if earlier is XferState.PROC:
+                states[j] = agent.state(handles[j])
         handles.append(handle)
         states.append(xstate)
     return handles, states, ""

@@ -61,6 +61,9 @@ async def test_a_large_write_goes_in_parts_each_copied_as_it_lands() -> None:
         assert metric(pair.d, "pushsvc_notifications_total", kind="part") == 1
         assert metric(pair.d, "pushsvc_landing_copies_total") == 2
         assert metric(pair.d, "pushsvc_landing_exposed_seconds_count") == 1
+        # D's timeline says when the first part landed, before the last one's completion
+        events = pair.d.service.timelines.recent(1, "big")[0]["events_ms"]
+        assert list(events)[-4:] == ["first_part_landed", "completion", "copies_done", "recv_done"]
 
 
 @pytest.mark.asyncio
