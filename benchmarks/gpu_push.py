@@ -302,7 +302,7 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
             print(f"  daemon push     {pattern:10s} {n:5d} blocks: {out['push'][(pattern, n)] * 1e3:8.3f} ms "
                   f"(exposed copy {out['exposed'][(pattern, n)] * 1e3:.3f} ms, "
                   f"{out['parts'][(pattern, n)]:.0f} parts)", flush=True)
-            if out["parts"][(pattern, n)] > 1:  # how the parts spread: posting, landing, copies
+            if n >= 64:  # where a large push's time goes: posting, the parts landing, the copies
                 spread = timeline_medians(p_daemon, d_daemon, [f"b{i}" for i in range(first, seq)])
                 out["timelines"][f"{pattern} {n}"] = spread
                 print("    " + ", ".join(f"{k} {v:.2f}" for k, v in spread.items() if k in _SPREAD), flush=True)
