@@ -72,6 +72,9 @@ class Metrics:
             buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1, 1),
             registry=r)
         self.write_parts = Counter("pushsvc_write_parts", "WRITEs posted, counting every part", registry=r)
+        self.engine_slow_calls = Counter(
+            "pushsvc_engine_slow_calls", "NIXL calls that held the event loop for 0.25 s or more, by call", ["call"],
+            registry=r)
         # Request timelines (docs/architecture.md): the time from each event of a request's
         # path to the next, and the whole (phase="total").
         self.phase_seconds = Histogram(

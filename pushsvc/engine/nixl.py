@@ -8,11 +8,13 @@ daemon drives progress itself by calling ``state``/``notifs`` while work is in f
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import re
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -20,6 +22,29 @@ from pushsvc.engine.base import XferState
 from pushsvc.errors import TransferError
 
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PROC, "ERR": XferState.ERR}
+
+# Every NIXL call runs on the daemon's event loop: one that takes this long held up every
+# worker, peer and timer of the daemon meanwhile, and is reported (``on_slow``).
+SLOW_CALL_S = 0.25
+
+# (agent name, call, seconds): told of every NIXL call of at least SLOW_CALL_S.
+SlowCall = Callable[[str, str, float], None]
+
+
+def _timed(call: str):
+    """Time the method; tell the agent's ``on_slow`` if it took SLOW_CALL_S or more."""
+    def wrap(method):
+        @functools.wraps(method)
+        def timed(self: "NixlAgent", *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                if spent >= SLOW_CALL_S and self._on_slow is not None:
+                    self._on_slow(self.name, call, spent)
+        return timed
+    return wrap
 
 
 # The backends the ``nixl`` meta package chooses from, in its order when torch has no CUDA.
@@ -69,10 +94,10 @@ class NixlAgent:
     """One NIXL agent. Every handle it hands out is tracked until released, so
     ``handles()`` can prove nothing leaks and ``close()`` can release what is left."""
 
-    __slots__ = ("name", "_agent", "_reg", "_dlists", "_xfers", "_remotes")
+    __slots__ = ("name", "_agent", "_reg", "_dlists", "_xfers", "_remotes", "_on_slow")
 
     def __init__(self, name: str, backends: list[str], progress_thread: bool,
-                 backend_params: dict[str, dict[str, str]] | None = None) -> None:
+                 backend_params: dict[str, dict[str, str]] | None = None, on_slow: SlowCall | None = None) -> None:
         nixl_agent, nixl_agent_config = _import_nixl()
         params = backend_params or {}
         # Backends with parameters of ours are created after the agent, with them.
@@ -88,11 +113,13 @@ class NixlAgent:
         if not self._agent.backends:
             raise TransferError(f"NIXL agent {name}: none of the backends {backends} is available")
         self.name = name
+        self._on_slow = on_slow
         self._reg: list[Any] = []
         self._dlists: dict[int, Any] = {}  # id(handle) -> handle
         self._xfers: dict[int, Any] = {}
         self._remotes: set[str] = set()
 
+    @_timed("register_memory")
     def register(self, buffers: list[tuple[int, int]], mem_type: str, device: int = 0) -> None:
         descs = [(addr, length, device, "") for addr, length in buffers]
         try:
@@ -100,9 +127,11 @@ class NixlAgent:
         except Exception as exc:
             raise TransferError(f"memory registration failed: {exc}") from exc
 
+    @_timed("get_agent_metadata")
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
 
+    @_timed("add_remote_agent")
     def add_remote(self, metadata: bytes) -> str:
         try:
             name = self._agent.add_remote_agent(metadata)
@@ -112,6 +141,7 @@ class NixlAgent:
         self._remotes.add(name)
         return name
 
+    @_timed("remove_remote_agent")
     def remove_remote(self, name: str) -> None:
         try:
             self._agent.remove_remote_agent(name)
@@ -120,6 +150,7 @@ class NixlAgent:
         finally:
             self._remotes.discard(name)
 
+    @_timed("prep_xfer_dlist")
     def prep_local(self, descs: np.ndarray, mem_type: str) -> Any:
         try:
             handle = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem_type)
@@ -128,6 +159,7 @@ class NixlAgent:
         self._dlists[id(handle)] = handle
         return handle
 
+    @_timed("prep_xfer_dlist")
     def prep_remote(self, remote: str, descs: np.ndarray, mem_type: str) -> Any:
         try:
             handle = self._agent.prep_xfer_dlist(remote, descs, mem_type)
@@ -136,6 +168,7 @@ class NixlAgent:
         self._dlists[id(handle)] = handle
         return handle
 
+    @_timed("release_dlist_handle")
     def release_dlist(self, handle: Any) -> None:
         self._dlists.pop(id(handle), None)
         try:
@@ -143,6 +176,7 @@ class NixlAgent:
         except Exception as exc:
             raise TransferError(f"cannot release descriptor list: {exc}") from exc
 
+    @_timed("transfer")
     def write(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes):
         try:
             handle = self._agent.make_prepped_xfer("WRITE", local, local_idx, remote, remote_idx, notif)
@@ -156,12 +190,14 @@ class NixlAgent:
             raise TransferError(f"cannot post WRITE: {exc}") from exc
         return handle, state
 
+    @_timed("check_xfer_state")
     def state(self, xfer: Any) -> XferState:
         try:
             return _STATES[self._agent.check_xfer_state(xfer)]
         except Exception:
             return XferState.ERR
 
+    @_timed("release_xfer_handle")
     def release(self, xfer: Any) -> None:
         try:
             self._agent.release_xfer_handle(xfer)
@@ -169,12 +205,14 @@ class NixlAgent:
             raise TransferError(f"cannot release WRITE handle: {exc}") from exc
         self._xfers.pop(id(xfer), None)
 
+    @_timed("send_notif")
     def send_notif(self, remote: str, payload: bytes) -> None:
         try:
             self._agent.send_notif(remote, payload)
         except Exception as exc:
             raise TransferError(f"cannot notify {remote}: {exc}") from exc
 
+    @_timed("get_new_notifs")
     def notifs(self) -> dict[str, list[bytes]]:
         try:
             got = self._agent.get_new_notifs()
@@ -225,9 +263,10 @@ class NixlEngine:
     name = "nixl"
 
     def __init__(self, backends: list[str], progress_thread: bool = False,
-                 ucx_error_handling_mode: str = "peer") -> None:
+                 ucx_error_handling_mode: str = "peer", on_slow: SlowCall | None = None) -> None:
         self.backends = list(backends)
         self.progress_thread = progress_thread
+        self.on_slow = on_slow
         # UCX's "peer" mode (NIXL's default) reports a dead peer (NIXL_ERR_REMOTE_DISCONNECT)
         # but keeps only transports that can: on one host, RMA over tcp/lo. "none" brings
         # back the shared-memory transports (docs/architecture.md, "UCX transports").
@@ -238,4 +277,4 @@ class NixlEngine:
         _import_nixl()
 
     def create_agent(self, name: str) -> NixlAgent:
-        return NixlAgent(name, self.backends, self.progress_thread, self.backend_params)
+        return NixlAgent(name, self.backends, self.progress_thread, self.backend_params, self.on_slow)

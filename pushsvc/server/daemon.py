@@ -36,6 +36,15 @@ from pushsvc.server.workers import WorkerServer
 
 log = structlog.get_logger("pushsvc.daemon")
 
+
+def slow_call_reporter(metrics: Metrics):
+    """What the engine calls when a NIXL call held the event loop (``SLOW_CALL_S``): an
+    ``engine_call_slow`` event naming the call and the agent, and a count per call."""
+    def report(agent: str, call: str, seconds: float) -> None:
+        metrics.engine_slow_calls.labels(call).inc()
+        log.warning("engine_call_slow", agent=agent, call=call, seconds=round(seconds, 3))
+    return report
+
 _FD_LIMIT_CAP = 1 << 20
 
 
@@ -45,16 +54,17 @@ class Daemon:
         self.config = config
         # systemd's notify socket (pushsvc/sdnotify.py); inert unless the command line found one.
         self.notifier = notifier if notifier is not None else Notifier()
+        self.metrics = Metrics()
         if engine is None:
             from pushsvc.engine.nixl import NixlEngine
 
-            engine = NixlEngine(config.nixl_backends, config.nixl_progress_thread, config.ucx_error_handling_mode)
+            engine = NixlEngine(config.nixl_backends, config.nixl_progress_thread, config.ucx_error_handling_mode,
+                                on_slow=slow_call_reporter(self.metrics))
             # The real engine comes with the real device memory; tests pass their fakes.
             devmem = load_device_memory(config.gpu)
         self.engine = engine
         self.devmem = devmem
         self.daemon_id = uuid.uuid4().hex
-        self.metrics = Metrics()
         self.service = PushService(config, engine, self.metrics, self.daemon_id, devmem=devmem)
         self.progress = ProgressLoop(self.service.progress, config.poll_busy_interval_s, config.poll_idle_interval_s)
         self.service.wake = self.progress.wake
