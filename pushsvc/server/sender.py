@@ -362,6 +362,11 @@ class Sender:
                 pending, push.plan, push.local, rank.remotes.dlist(target.agent_name), push.descs), self._now(),
                 started)
             return
+        # Announced before the post: D polls back to back from when it hears of the WRITE,
+        # and a WRITE over tcp/lo moves only while D progresses, so D starts while P posts.
+        self._peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank,
+                                               source_rank=rank.source_rank(reg.decode_rank),
+                                               nbytes=push.plan.nbytes, digests=push.digests))
         handles, states, failed = post_parts(rank.agent, rank.remotes.dlist(target.agent_name),
                                              target.agent_name, push, reg.request_id, rank.tp_size)
         if not handles:
@@ -377,10 +382,6 @@ class Sender:
         self._metrics.transfer_blocks.inc(push.plan.logical_blocks)
         log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=push.plan.nbytes,
                   descriptors=len(push.plan.src_indices), parts=len(handles))
-        if XferState.PROC in states or push.digests:
-            self._peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank,
-                                                   source_rank=rank.source_rank(reg.decode_rank),
-                                                   nbytes=push.plan.nbytes, digests=push.digests))
         self._settle_parts(rank, write, states)
         self._wake()
 
