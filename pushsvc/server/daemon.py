@@ -45,6 +45,7 @@ def slow_call_reporter(metrics: Metrics):
         log.warning("engine_call_slow", agent=agent, call=call, seconds=round(seconds, 3))
     return report
 
+
 _FD_LIMIT_CAP = 1 << 20
 
 

@@ -25,12 +25,11 @@ from pushsvc.engine.base import XferState
 from pushsvc.errors import DeviceError, ProtocolError, TransferError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
-from pushsvc.protocol import peer as pp
 from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
 from pushsvc.server.timelines import Timelines
 from pushsvc.server.verify import digest_memory
-from pushsvc.server.writes import LayerPost, Write
+from pushsvc.server.writes import LayerPost, Write, write_started
 from pushsvc.state.layerwise import LayerMap, Progress
 from pushsvc.state.producer import Match
 from pushsvc.state.stages import keys
@@ -263,9 +262,7 @@ class Layerwise:
             self._verify and memory is not None) else b""
         peer = self._peers.find_agent(write.remote_agent)
         if peer is not None:
-            self._peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank,
-                                                   source_rank=rank.source_rank(reg.decode_rank),
-                                                   nbytes=write.nbytes, digests=digests))
+            self._peers.send(peer, write_started(rank, reg, write.nbytes, digests))
         try:
             rank.agent.send_notif(write.remote_agent, notif.encode_completion(reg.request_id, rank.tp_size))
         except TransferError as exc:

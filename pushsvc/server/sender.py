@@ -36,7 +36,8 @@ from pushsvc.server.remotes import registration_error
 from pushsvc.server.tasks import TaskSet
 from pushsvc.server.timelines import Timelines
 from pushsvc.server.staging import Staging
-from pushsvc.server.writes import LayerPost, Write, plan_push, post_parts, release_all, release_settled
+from pushsvc.server.writes import (LayerPost, Write, plan_push, post_parts, release_all, release_settled,
+                                   write_started)
 from pushsvc.state.layout import check_block_ids
 from pushsvc.state.timeline import SEND
 from pushsvc.state.producer import (
@@ -364,9 +365,7 @@ class Sender:
             return
         # Announced before the post: D polls back to back from when it hears of the WRITE,
         # and a WRITE over tcp/lo moves only while D progresses, so D starts while P posts.
-        self._peers.send(peer, pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank,
-                                               source_rank=rank.source_rank(reg.decode_rank),
-                                               nbytes=push.plan.nbytes, digests=push.digests))
+        self._peers.send(peer, write_started(rank, reg, push.plan.nbytes, push.digests))
         handles, states, failed = post_parts(rank.agent, rank.remotes.dlist(target.agent_name),
                                              target.agent_name, push, reg.request_id, rank.tp_size)
         if not handles:

@@ -13,7 +13,7 @@ from pushsvc.engine.base import Agent, DListHandle, XferHandle, XferState
 from pushsvc.errors import LayoutError, TransferError
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
-from pushsvc.server.ranks import RankMemory
+from pushsvc.server.ranks import Rank, RankMemory
 from pushsvc.server.verify import digest_memory
 from pushsvc.state.landing import parts_for
 from pushsvc.state.layerwise import Progress, postable
@@ -126,6 +126,12 @@ def plan_push(memory: RankMemory, remote: Layout, match: Match, target: pp.Agent
         target.parts and peer_minor >= pp.PARTS_MINOR and not whole) else 1
     digests = digest_memory(descs, plan.src_indices, memory.vram) if verify else b""
     return PushPlan(plan, parts, digests, local, descs)
+
+
+def write_started(rank: Rank, reg: notif.PushReg, nbytes: int, digests: bytes) -> pp.WriteStarted:
+    """D's announcement of the WRITE ``rank`` makes for ``reg`` (``digests``: verify mode)."""
+    return pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank,
+                           source_rank=rank.source_rank(reg.decode_rank), nbytes=nbytes, digests=digests)
 
 
 def post_parts(agent: Agent, remote: DListHandle, remote_agent: str, push: PushPlan,
