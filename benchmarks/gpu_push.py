@@ -91,12 +91,12 @@ def _kv_layout(total_blocks: int):
     return tensors, Layout(tuple(regions))
 
 
-def _anchor_target(conn, total_blocks: int, ucx_mode: str = "peer") -> None:
+def _anchor_target(conn, total_blocks: int, ucx_mode: str = "peer", sgl: bool = True) -> None:
     from pushsvc.engine.nixl import NixlEngine
     from pushsvc.state.layout import descriptor_table
 
     tensors, layout = _kv_layout(total_blocks)
-    agent = NixlEngine(["UCX"], ucx_error_handling_mode=ucx_mode).create_agent("anchor-target")
+    agent = NixlEngine(["UCX"], ucx_error_handling_mode=ucx_mode, sgl=sgl).create_agent("anchor-target")
     agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], "VRAM", 0)
     conn.send((agent.metadata(), descriptor_table(layout, 0), layout))
     agent.add_remote(conn.recv())
@@ -114,17 +114,17 @@ def _anchor_target(conn, total_blocks: int, ucx_mode: str = "peer") -> None:
 
 
 def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int,
-                ucx_mode: str = "peer") -> dict:
+                ucx_mode: str = "peer", sgl: bool = True) -> dict:
     from nixl_pair import timed_write  # benchmarks/
     from pushsvc.engine.nixl import NixlEngine
     from pushsvc.state.layout import descriptor_table, plan_write
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_anchor_target, args=(child, total_blocks, ucx_mode))
+    proc = ctx.Process(target=_anchor_target, args=(child, total_blocks, ucx_mode, sgl))
     proc.start()
     tensors, layout = _kv_layout(total_blocks)
-    agent = NixlEngine(["UCX"], ucx_error_handling_mode=ucx_mode).create_agent("anchor-initiator")
+    agent = NixlEngine(["UCX"], ucx_error_handling_mode=ucx_mode, sgl=sgl).create_agent("anchor-initiator")
     agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], "VRAM", 0)
     meta, remote_descs, remote_layout = parent.recv()
     parent.send(agent.metadata())
@@ -254,7 +254,7 @@ def timeline_medians(p_daemon, d_daemon, rids: list[str]) -> dict[str, float]:
 
 def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int, small_reps: int,
                 log_level: str = "warning", part_mib: int | None = None, staging_mib: int = 0,
-                ucx_mode: str = "peer") -> dict:
+                ucx_mode: str = "peer", sgl: bool = True) -> dict:
     from procs import start_daemon
 
     base = Path(tempfile.mkdtemp(prefix="psbench-gpu-"))
@@ -262,7 +262,7 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     parts = ("--write-part-mib", str(part_mib)) if part_mib is not None else ()
     if staging_mib:
         parts += ("--staging-mib", str(staging_mib))
-    mode = ("--ucx-error-handling-mode", ucx_mode)
+    mode = ("--ucx-error-handling-mode", ucx_mode, "--ucx-sgl", "on" if sgl else "off")
     p_daemon = start_daemon(base, "prefill", "--gpu", "on", "--log-level", log_level, *parts, *mode, timeout=120)
     d_daemon = start_daemon(base, "decode", "--gpu", "on", "--log-level", log_level, "--landing-mib",
                             str(landing_mib), *mode, timeout=120)
@@ -415,6 +415,9 @@ def main() -> None:
                     help="P's staging_mib: P copies blocks into its own buffer and WRITEs from there")
     ap.add_argument("--ucx-error-handling-mode", default="peer", choices=["peer", "none"],
                     help="the daemons' and the in-process anchor's UCX error handling (docs/architecture.md)")
+    ap.add_argument("--ucx-sgl", default="on", choices=["on", "off"],
+                    help="the daemons' ucx_sgl and the in-process anchor's alike (on: what a GPU daemon on one "
+                         "host picks by default)")
     ap.add_argument("--phases", action="store_true",
                     help="daemon push only, daemons logging at debug: where each push's time goes")
     ap.add_argument("--layerwise", action="store_true",
@@ -442,7 +445,7 @@ def main() -> None:
     if args.phases:
         push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug",
                            part_mib=args.part_mib, staging_mib=args.staging_mib,
-                           ucx_mode=args.ucx_error_handling_mode)
+                           ucx_mode=args.ucx_error_handling_mode, sgl=args.ucx_sgl == "on")
         (out_dir / "gpu_phases.json").write_text(json.dumps(push["phases"], indent=2))
         for rid, ev in list(push["phases"].items())[:: max(1, len(push["phases"]) // 40)]:
             print(rid, " ".join(f"{k}={v}" for k, v in sorted(ev.items(), key=lambda kv: kv[1])))
@@ -456,10 +459,11 @@ def main() -> None:
     print("torch copy ...", flush=True)
     copy = torch_copy(sizes, args.repeats)
     print("in-process NIXL ...", flush=True)
-    anchor = nixl_anchor(sizes, total, patterns, args.repeats, args.ucx_error_handling_mode)
+    anchor = nixl_anchor(sizes, total, patterns, args.repeats, args.ucx_error_handling_mode, args.ucx_sgl == "on")
     print("daemon push ...", flush=True)
     push = daemon_push(sizes, total, patterns, args.repeats, args.small, part_mib=args.part_mib,
-                       staging_mib=args.staging_mib, ucx_mode=args.ucx_error_handling_mode)
+                       staging_mib=args.staging_mib, ucx_mode=args.ucx_error_handling_mode,
+                       sgl=args.ucx_sgl == "on")
     rows = []
     for pattern in patterns:
         for n in sizes:
@@ -474,7 +478,7 @@ def main() -> None:
               "layout": {"layers": LAYERS, "block_size": BLOCK_SIZE, "kv_heads": HEADS, "head_dim": DIM,
                          "dtype": "bfloat16", "block_bytes": BLOCK_BYTES},
               "daemon_info": push["daemon_info"], "write_part_mib": args.part_mib,
-              "staging_mib": args.staging_mib}
+              "staging_mib": args.staging_mib, "ucx_sgl": args.ucx_sgl}
     (out_dir / "gpu_push.json").write_text(json.dumps(result, indent=2))
     _chart(rows, out_dir / "gpu_push.png")
     print("\n| ids | blocks | MiB | daemon push GB/s | in-process NIXL GB/s | daemon / NIXL | torch copy GB/s "

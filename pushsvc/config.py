@@ -33,6 +33,7 @@ ENV_CONFIG_PATH = "PUSHSVC_CONFIG"
 LOG_FORMATS = frozenset({"auto", "json", "console"})
 LOG_LEVELS = frozenset({"debug", "info", "warning", "error"})
 GPU_MODES = frozenset({"auto", "on", "off"})
+UCX_SGL_MODES = GPU_MODES
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -87,6 +88,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # UCX's error handling: "peer" reports a dead peer to a WRITE (on one host it limits
     # RMA to tcp/lo); "none" allows shared memory (docs/architecture.md, "UCX transports").
     ucx_error_handling_mode: str = "peer"
+    # NIXL posts a WRITE's descriptors to UCX as one scatter-gather list instead of one put
+    # each (NIXL_UCX_SGL_ENABLE; over cuda_ipc one batched copy for all of them). "auto": on
+    # for a GPU daemon whose peers all share its host (allowed_peer_hosts empty), where it
+    # was measured to pay; off otherwise (docs/gpu.md, "Posting a WRITE").
+    ucx_sgl: str = "auto"
     # Leases, watchdogs and liveness.
     lease_s: float = 120.0
     watchdog_s: float = 120.0
@@ -180,6 +186,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ConfigError(name, f"must be in 0..{1 << 20} MiB, got {getattr(self, name)}")
         if self.ucx_error_handling_mode not in ("peer", "none"):
             raise ConfigError("ucx_error_handling_mode", f'must be "peer" or "none", got {self.ucx_error_handling_mode!r}')
+        if self.ucx_sgl not in UCX_SGL_MODES:
+            raise ConfigError("ucx_sgl", f"must be one of {sorted(UCX_SGL_MODES)}, got {self.ucx_sgl!r}")
         if not 0 <= self.timelines_kept <= 100_000:
             raise ConfigError("timelines_kept", f"must be in 0..100000, got {self.timelines_kept}")
         if not self.nixl_backends or not all(self.nixl_backends):

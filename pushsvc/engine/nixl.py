@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -259,14 +260,31 @@ class NixlAgent:
         return f"<NixlAgent {self.name} {self.handles()}>"
 
 
+# NIXL's UCX backend posts each descriptor pair of a WRITE as a UCX put of its own, unless
+# this is set when the backend is made: then it hands UCX the WRITE as one scatter-gather
+# list (over cuda_ipc, one cuMemcpyBatchAsync and one CUDA event for all pairs).
+SGL_ENV = "NIXL_UCX_SGL_ENABLE"
+
+
+def sgl_wanted(setting: str, gpu: bool, one_host: bool) -> bool:
+    """Whether a daemon posts WRITEs as scatter-gather lists (``Config.ucx_sgl``): "on" and
+    "off" as said; "auto" where it was measured to pay, a GPU daemon whose peers all share
+    its host (host memory over tcp/lo posts slower with it; between hosts it is untried)."""
+    if setting == "auto":
+        return gpu and one_host
+    return setting == "on"
+
+
 class NixlEngine:
     name = "nixl"
 
     def __init__(self, backends: list[str], progress_thread: bool = False,
-                 ucx_error_handling_mode: str = "peer", on_slow: SlowCall | None = None) -> None:
+                 ucx_error_handling_mode: str = "peer", on_slow: SlowCall | None = None,
+                 sgl: bool = False) -> None:
         self.backends = list(backends)
         self.progress_thread = progress_thread
         self.on_slow = on_slow
+        self.sgl = sgl
         # UCX's "peer" mode (NIXL's default) reports a dead peer (NIXL_ERR_REMOTE_DISCONNECT)
         # but keeps only transports that can: on one host, RMA over tcp/lo. "none" brings
         # back the shared-memory transports (docs/architecture.md, "UCX transports").
@@ -277,4 +295,7 @@ class NixlEngine:
         _import_nixl()
 
     def create_agent(self, name: str) -> NixlAgent:
+        # Read by NIXL's UCX backend as the agent is made (an engine of another setting in
+        # the same process, as in tests and benchmarks, changes it for its own agents only).
+        os.environ[SGL_ENV] = "1" if self.sgl else "0"
         return NixlAgent(name, self.backends, self.progress_thread, self.backend_params, self.on_slow)

@@ -57,12 +57,13 @@ class Daemon:
         self.notifier = notifier if notifier is not None else Notifier()
         self.metrics = Metrics()
         if engine is None:
-            from pushsvc.engine.nixl import NixlEngine
+            from pushsvc.engine.nixl import NixlEngine, sgl_wanted
 
-            engine = NixlEngine(config.nixl_backends, config.nixl_progress_thread, config.ucx_error_handling_mode,
-                                on_slow=slow_call_reporter(self.metrics))
             # The real engine comes with the real device memory; tests pass their fakes.
             devmem = load_device_memory(config.gpu)
+            sgl = sgl_wanted(config.ucx_sgl, devmem is not None, one_host=not config.allowed_peer_hosts)
+            engine = NixlEngine(config.nixl_backends, config.nixl_progress_thread, config.ucx_error_handling_mode,
+                                on_slow=slow_call_reporter(self.metrics), sgl=sgl)
         self.engine = engine
         self.devmem = devmem
         self.daemon_id = uuid.uuid4().hex
@@ -111,7 +112,8 @@ class Daemon:
         self._progress_task = asyncio.get_running_loop().create_task(self.progress.run(), name="pushsvc-progress")
         log.info("daemon_started", engine_id=self.config.engine_id, daemon_id=self.daemon_id[:8],
                  socket=self.config.socket_path, side_channel=f"{self.config.advertised_host}:{self.service.peers.port}",
-                 health=f"{self.config.health_host}:{self.health.port}", version=__version__)
+                 health=f"{self.config.health_host}:{self.health.port}", version=__version__,
+                 ucx_sgl=getattr(self.engine, "sgl", False))
         # READY=1 now if /readyz answers 200 now; else the notifier's next update sends it.
         self.notifier.update(*self.service_status())
         self._notify_task = asyncio.get_running_loop().create_task(
