@@ -415,9 +415,8 @@ def main() -> None:
                     help="P's staging_mib: P copies blocks into its own buffer and WRITEs from there")
     ap.add_argument("--ucx-error-handling-mode", default="peer", choices=["peer", "none"],
                     help="the daemons' and the in-process anchor's UCX error handling (docs/architecture.md)")
-    ap.add_argument("--ucx-sgl", default="on", choices=["on", "off"],
-                    help="the daemons' ucx_sgl and the in-process anchor's alike (on: what a GPU daemon on one "
-                         "host picks by default)")
+    ap.add_argument("--ucx-sgl", default="off", choices=["on", "off"],
+                    help="the daemons' ucx_sgl and the in-process anchor's alike (docs/gpu.md)")
     ap.add_argument("--phases", action="store_true",
                     help="daemon push only, daemons logging at debug: where each push's time goes")
     ap.add_argument("--layerwise", action="store_true",

@@ -65,9 +65,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ucx-error-handling-mode", dest="ucx_error_handling_mode", choices=["peer", "none"],
                    help="UCX error handling: peer (a dead peer fails the WRITE; on one host RMA over tcp/lo) "
                         "or none (shared-memory transports)")
-    p.add_argument("--ucx-sgl", dest="ucx_sgl", choices=["auto", "on", "off"],
-                   help="post each WRITE to UCX as one scatter-gather list: auto (on for a GPU daemon whose peers "
-                        "share its host), on, off")
+    p.add_argument("--ucx-sgl", dest="ucx_sgl", choices=["on", "off"],
+                   help="post each WRITE to UCX as one scatter-gather list (on; faster for many GPU descriptors, "
+                        "but no WRITE into a D without landing buffer) or one put per descriptor (off)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--ready-file", help="write /v1/info JSON here once the daemon is ready")
 

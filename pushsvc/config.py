@@ -33,7 +33,7 @@ ENV_CONFIG_PATH = "PUSHSVC_CONFIG"
 LOG_FORMATS = frozenset({"auto", "json", "console"})
 LOG_LEVELS = frozenset({"debug", "info", "warning", "error"})
 GPU_MODES = frozenset({"auto", "on", "off"})
-UCX_SGL_MODES = GPU_MODES
+UCX_SGL_MODES = frozenset({"on", "off"})
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -88,11 +88,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # UCX's error handling: "peer" reports a dead peer to a WRITE (on one host it limits
     # RMA to tcp/lo); "none" allows shared memory (docs/architecture.md, "UCX transports").
     ucx_error_handling_mode: str = "peer"
-    # NIXL posts a WRITE's descriptors to UCX as one scatter-gather list instead of one put
-    # each (NIXL_UCX_SGL_ENABLE; over cuda_ipc one batched copy for all of them). "auto": on
-    # for a GPU daemon whose peers all share its host (allowed_peer_hosts empty), where it
-    # was measured to pay; off otherwise (docs/gpu.md, "Posting a WRITE").
-    ucx_sgl: str = "auto"
+    # "on": NIXL hands UCX each WRITE as one scatter-gather list instead of one put per
+    # descriptor (NIXL_UCX_SGL_ENABLE; over cuda_ipc one batched copy for all of them).
+    # Faster for many descriptors on the GPU, but a WRITE into memory cuda_ipc cannot reach
+    # (a D without landing buffer) then fails to post (docs/gpu.md, "Posting a WRITE").
+    ucx_sgl: str = "off"
     # Leases, watchdogs and liveness.
     lease_s: float = 120.0
     watchdog_s: float = 120.0

@@ -266,15 +266,6 @@ class NixlAgent:
 SGL_ENV = "NIXL_UCX_SGL_ENABLE"
 
 
-def sgl_wanted(setting: str, gpu: bool, one_host: bool) -> bool:
-    """Whether a daemon posts WRITEs as scatter-gather lists (``Config.ucx_sgl``): "on" and
-    "off" as said; "auto" where it was measured to pay, a GPU daemon whose peers all share
-    its host (host memory over tcp/lo posts slower with it; between hosts it is untried)."""
-    if setting == "auto":
-        return gpu and one_host
-    return setting == "on"
-
-
 class NixlEngine:
     name = "nixl"
 

@@ -57,13 +57,12 @@ class Daemon:
         self.notifier = notifier if notifier is not None else Notifier()
         self.metrics = Metrics()
         if engine is None:
-            from pushsvc.engine.nixl import NixlEngine, sgl_wanted
+            from pushsvc.engine.nixl import NixlEngine
 
+            engine = NixlEngine(config.nixl_backends, config.nixl_progress_thread, config.ucx_error_handling_mode,
+                                on_slow=slow_call_reporter(self.metrics), sgl=config.ucx_sgl == "on")
             # The real engine comes with the real device memory; tests pass their fakes.
             devmem = load_device_memory(config.gpu)
-            sgl = sgl_wanted(config.ucx_sgl, devmem is not None, one_host=not config.allowed_peer_hosts)
-            engine = NixlEngine(config.nixl_backends, config.nixl_progress_thread, config.ucx_error_handling_mode,
-                                on_slow=slow_call_reporter(self.metrics), sgl=sgl)
         self.engine = engine
         self.devmem = devmem
         self.daemon_id = uuid.uuid4().hex

@@ -1,6 +1,6 @@
-"""``ucx_sgl``: whether NIXL hands UCX a WRITE as one scatter-gather list. The choice
-(``sgl_wanted``), that it reaches NIXL's UCX backend for each agent, that a WRITE posted
-either way moves exactly its blocks, and what the daemon picks from its config."""
+"""``ucx_sgl``: whether NIXL hands UCX a WRITE as one scatter-gather list. The setting,
+that it reaches NIXL's UCX backend for each agent, that a WRITE posted either way moves
+exactly its blocks, and that the daemon posts as its config says."""
 
 from __future__ import annotations
 
@@ -15,34 +15,21 @@ import pytest
 
 from pushsvc.config import load_config
 from pushsvc.engine.base import XferState
-from pushsvc.engine.nixl import SGL_ENV, NixlEngine, sgl_wanted
+from pushsvc.engine.nixl import SGL_ENV, NixlEngine
 from pushsvc.errors import ConfigError
-
-
-@pytest.mark.parametrize("setting, gpu, one_host, want", [
-    ("auto", True, True, True),
-    ("auto", True, False, False),  # peers on other hosts: RDMA with lists was never measured here
-    ("auto", False, True, False),  # host memory over tcp/lo posts slower with lists
-    ("auto", False, False, False),
-    ("on", False, False, True),
-    ("on", True, True, True),
-    ("off", True, True, False),
-    ("off", False, True, False),
-])
-def test_auto_turns_lists_on_only_for_a_gpu_daemon_on_one_host(setting, gpu, one_host, want) -> None:
-    assert sgl_wanted(setting, gpu, one_host) is want
 
 
 _ENV = {"XDG_RUNTIME_DIR": "/run/user/1000"}
 
 
-def test_config_takes_the_three_settings_and_refuses_others() -> None:
-    assert load_config(env=_ENV).ucx_sgl == "auto"
+def test_config_is_off_unless_turned_on_and_refuses_other_words() -> None:
+    assert load_config(env=_ENV).ucx_sgl == "off"
     for setting in ("on", "off"):
         assert load_config(env={**_ENV, "PUSHSVC_UCX_SGL": setting}).ucx_sgl == setting
-    with pytest.raises(ConfigError) as info:
-        load_config(overrides={"ucx_sgl": "yes"}, env=_ENV)
-    assert info.value.field == "ucx_sgl"
+    for word in ("yes", "auto", ""):
+        with pytest.raises(ConfigError) as info:
+            load_config(overrides={"ucx_sgl": word}, env=_ENV)
+        assert info.value.field == "ucx_sgl"
 
 
 _PROBE = textwrap.dedent("""
@@ -124,5 +111,4 @@ def _started(tmp_path, *flags: str) -> dict:
 
 @pytest.mark.parametrize("flags, want", [((), False), (("--ucx-sgl", "on"), True), (("--ucx-sgl", "off"), False)])
 def test_the_daemon_says_how_it_posts(tmp_path, flags, want) -> None:
-    # Without a GPU "auto" leaves lists off; "on" turns them on all the same.
     assert _started(tmp_path, *flags)["ucx_sgl"] is want
