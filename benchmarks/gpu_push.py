@@ -91,7 +91,7 @@ def _kv_layout(total_blocks: int):
     return tensors, Layout(tuple(regions))
 
 
-def _anchor_target(conn, total_blocks: int, ucx_mode: str = "peer", sgl: bool = True) -> None:
+def _anchor_target(conn, total_blocks: int, ucx_mode: str = "peer", sgl: bool = False) -> None:
     from pushsvc.engine.nixl import NixlEngine
     from pushsvc.state.layout import descriptor_table
 
@@ -114,7 +114,7 @@ def _anchor_target(conn, total_blocks: int, ucx_mode: str = "peer", sgl: bool = 
 
 
 def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int,
-                ucx_mode: str = "peer", sgl: bool = True) -> dict:
+                ucx_mode: str = "peer", sgl: bool = False) -> dict:
     from nixl_pair import timed_write  # benchmarks/
     from pushsvc.engine.nixl import NixlEngine
     from pushsvc.state.layout import descriptor_table, plan_write
@@ -254,7 +254,7 @@ def timeline_medians(p_daemon, d_daemon, rids: list[str]) -> dict[str, float]:
 
 def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int, small_reps: int,
                 log_level: str = "warning", part_mib: int | None = None, staging_mib: int = 0,
-                ucx_mode: str = "peer", sgl: bool = True) -> dict:
+                ucx_mode: str = "peer", sgl: bool = False) -> dict:
     from procs import start_daemon
 
     base = Path(tempfile.mkdtemp(prefix="psbench-gpu-"))

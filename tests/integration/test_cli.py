@@ -73,6 +73,16 @@ def test_sigterm_drains_and_exits_0(base_dir):
     assert not (d.runtime_dir / "pushsvc.sock").exists()
 
 
+@pytest.mark.parametrize("flags, want", [((), False), (("--ucx-sgl", "on"), True), (("--ucx-sgl", "off"), False)])
+def test_the_daemon_says_how_it_posts_writes(base_dir, flags, want):
+    d = start_daemon(base_dir, "sgl", "--gpu", "off", *flags)
+    try:
+        started = [json.loads(line) for line in d.log().splitlines() if '"daemon_started"' in line]
+    finally:
+        d.stop()
+    assert len(started) == 1 and started[0]["ucx_sgl"] is want
+
+
 def test_sigint_twice_exits_cleanly(base_dir):
     d = start_daemon(base_dir, "int")
     d.proc.send_signal(signal.SIGINT)

@@ -1,10 +1,9 @@
 """``ucx_sgl``: whether NIXL hands UCX a WRITE as one scatter-gather list. The setting,
 that it reaches NIXL's UCX backend for each agent, that a WRITE posted either way moves
-exactly its blocks, and that the daemon posts as its config says."""
+exactly its blocks (that the daemon posts as its config says: tests/integration/test_cli.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -88,27 +87,3 @@ def test_a_write_posted_as_a_list_moves_exactly_its_blocks(sgl: bool) -> None:
     finally:
         sender.close()
         receiver.close()
-
-
-def _started(tmp_path, *flags: str) -> dict:
-    """The ``daemon_started`` event of a daemon run with ``flags``, then stopped."""
-    rt = tmp_path / "rt"
-    ready = tmp_path / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "pushsvc", "serve", "--engine-id", "sgl", "--runtime-dir", str(rt),
-                             "--health-port", "0", "--side-channel-port", "0", "--gpu", "off", "--log-format", "json",
-                             "--ready-file", str(ready), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={k: v for k, v in os.environ.items() if not k.startswith("PUSHSVC_")})
-    try:
-        for line in proc.stdout:
-            if '"daemon_started"' in line:
-                return json.loads(line)
-        raise AssertionError(f"the daemon exited {proc.wait()} before it started")
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        proc.stdout.close()
-
-
-@pytest.mark.parametrize("flags, want", [((), False), (("--ucx-sgl", "on"), True), (("--ucx-sgl", "off"), False)])
-def test_the_daemon_says_how_it_posts(tmp_path, flags, want) -> None:
-    assert _started(tmp_path, *flags)["ucx_sgl"] is want
