@@ -286,13 +286,13 @@ class Receiver:
                             ProtocolError("sender is not an agent the registration went to"))
             return
         if self.landing.active(rank) and entry is not None:
+            # Before its copy is launched; a timeline keeps an event's first time.
+            self._timelines.mark(rank, RECV, rid, "first_part_landed")
             # Copied only while the registration is live: never into withdrawn blocks.
             landed = self.landing.part_landed(rank, rid, index, parts, copy=entry.state is RecvState.SENT)
             if landed is PartOutcome.MALFORMED:
                 self._malformed("notification", "part", sender, ProtocolError(f"part {index} of {parts} again"))
                 return
-            if parts > 1:  # a timeline keeps an event's first time: the first part's
-                self._timelines.mark(rank, RECV, rid, "first_part_landed")
             if landed is PartOutcome.MORE:
                 self._metrics.notifications.labels("part").inc()
                 self._wake()

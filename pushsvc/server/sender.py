@@ -363,6 +363,7 @@ class Sender:
                 pending, push.plan, push.local, rank.remotes.dlist(target.agent_name), push.descs), self._now(),
                 started)
             return
+        self._timelines.mark(rank, SEND, match.request_id, "write_planned")
         # Announced before the post: D polls back to back from when it hears of the WRITE,
         # and a WRITE over tcp/lo moves only while D progresses, so D starts while P posts.
         self._peers.send(peer, write_started(rank, reg, push.plan.nbytes, push.digests))

@@ -79,7 +79,7 @@ def _check_timelines(P, D, rid_p, rid_d):
     [p_line] = json.loads(P.get(f"/v1/requests?request_id={rid_d}")[1])["timelines"]
     [d_line] = json.loads(D.get(f"/v1/requests?request_id={rid_d}")[1])["timelines"]
     assert p_line["request_id"] == rid_p and p_line["peer_request_id"] == rid_d and p_line["outcome"] == "send_done"
-    assert list(p_line["events_ms"]) == ["send_ready", "matched", "write_posted", "write_settled", "send_done"]
+    assert list(p_line["events_ms"]) == ["send_ready", "matched", "write_planned", "write_posted", "write_settled", "send_done"]
     assert d_line["request_id"] == rid_d and d_line["outcome"] == "recv_done"
     # write_announced: P's WriteStarted, sent while a WRITE is still in progress at its post.
     assert [e for e in d_line["events_ms"] if e != "write_announced"] == [

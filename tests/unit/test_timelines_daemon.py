@@ -35,12 +35,12 @@ async def test_a_push_leaves_one_timeline_per_side_joined_by_request_id() -> Non
         [p_line] = await _timelines(pair.p)
         [d_line] = await _timelines(pair.d)
         assert p_line["side"] == "send" and p_line["outcome"] == "send_done"
-        assert _names(p_line) == ["send_ready", "matched", "write_posted", "write_settled", "send_done"]
+        assert _names(p_line) == ["send_ready", "matched", "write_planned", "write_posted", "write_settled", "send_done"]
         assert p_line["peer_request_id"] == "d-req"
         assert d_line["side"] == "recv" and d_line["outcome"] == "recv_done"
         assert _names(d_line) == ["registered", "push_reg_sent", "completion", "recv_done"]
         assert d_line["events_ms"]["registered"] == 0.0 and d_line["start"].endswith("+00:00")
-        for daemon, side, phases in ((pair.p, "send", ("matched", "write_posted", "write_settled", "send_done")),
+        for daemon, side, phases in ((pair.p, "send", ("matched", "write_planned", "write_posted", "write_settled", "send_done")),
                                      (pair.d, "recv", ("push_reg_sent", "completion", "recv_done"))):
             for phase in (*phases, "total"):
                 assert metric(daemon, "pushsvc_phase_seconds_count", side=side, phase=phase) == 1, (side, phase)
