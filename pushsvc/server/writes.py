@@ -17,7 +17,7 @@ from pushsvc.server.ranks import Rank, RankMemory
 from pushsvc.server.verify import digest_memory
 from pushsvc.state.landing import parts_for
 from pushsvc.state.layerwise import Progress, postable
-from pushsvc.state.layout import Layout, WritePlan, plan_write, region_edges, split_plan
+from pushsvc.state.layout import Layout, WritePlan, plan_write, split_plan
 from pushsvc.state.producer import Match
 
 log = structlog.get_logger("pushsvc.sender")
@@ -33,13 +33,10 @@ class LayerPost:
     local: DListHandle
     remote: DListHandle
     descs: np.ndarray  # the source's descriptor table (P's digests, in verify mode, are over it)
-    edges: np.ndarray = field(init=False)  # region r's pairs: plan[edges[r]:edges[r + 1]]
     posted: np.ndarray = field(init=False)  # per region the plan numbers: its pairs went
 
     def __post_init__(self) -> None:
-        assert self.plan.regions is not None
-        self.edges = region_edges(self.plan.regions, self.plan.region_count)
-        self.posted = np.diff(self.edges) == 0  # a region without pairs has nothing to post
+        self.posted = np.diff(self.plan.edges) == 0  # a region without pairs has nothing to post
 
     @property
     def all_posted(self) -> bool:
@@ -52,7 +49,8 @@ class LayerPost:
         ready = postable(self.progress.final, self.posted)
         if not len(ready):
             return None, XferState.DONE, ""
-        runs = [slice(self.edges[r], self.edges[r + 1]) for r in ready.tolist()]
+        edges = self.plan.edges  # region r's pairs: plan[edges[r]:edges[r + 1]]
+        runs = [slice(edges[r], edges[r + 1]) for r in ready.tolist()]
         src = np.concatenate([self.plan.src_indices[run] for run in runs])
         dst = np.concatenate([self.plan.dst_indices[run] for run in runs])
         try:

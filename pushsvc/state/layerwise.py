@@ -5,7 +5,7 @@ A worker names a layer by its index among the distinct layer names of the region
 registered, in their order (``LayerMap``), so both sides derive the numbering from the
 same list. A region is final once every layer it names is saved; a region that names
 none only when the whole step is (``Progress.finish``). A planned WRITE's descriptor may
-be posted once its source region is final: ``plan.regions`` numbers the source layout's
+be posted once its source region is final: ``plan.edges`` numbers the source layout's
 regions, which for a joint agent repeats the rank's regions once per member, hence the
 modulo. See docs/architecture.md, "Layer-wise push (P)".
 """

@@ -232,8 +232,10 @@ def test_split_plan_keeps_every_pair_once_in_its_part(counts, parts, bpl) -> Non
     assert np.concatenate([p.src_indices for p in pieces]).tolist() == plan.src_indices.tolist()
     assert np.concatenate([p.dst_indices for p in pieces]).tolist() == plan.dst_indices.tolist()
     for i, piece in enumerate(pieces):
-        assert set(piece.regions.tolist()) <= set(part_regions(len(regions), parts, i))
-        assert piece.nbytes == int(piece.lengths.sum()) == 32 * len(piece.src_indices)
+        mine = part_regions(len(regions), parts, i)
+        assert set(np.flatnonzero(np.diff(piece.edges)).tolist()) <= set(mine)
+        assert piece.edges[mine.start] == 0 and piece.edges[-1] == len(piece.src_indices)
+        assert piece.nbytes == int(piece.region_bytes.sum()) == 32 * len(piece.src_indices)
 
 
 # ---------------------------------------------------------------- allocator

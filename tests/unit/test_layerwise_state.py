@@ -8,7 +8,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pushsvc.state.layerwise import LayerMap, Progress, postable
-from pushsvc.state.layout import region_edges
 from pushsvc.state.stages import keys
 
 
@@ -35,12 +34,6 @@ def test_postable_maps_a_joints_repeated_regions_back_and_skips_what_went() -> N
     assert postable(final, posted).tolist() == [2]
 
 
-def test_region_edges_find_each_regions_pairs_in_a_region_ordered_plan() -> None:
-    edges = region_edges(np.array([0, 0, 2, 2, 2, 3], dtype=np.int32), 5)
-    assert edges.tolist() == [0, 2, 2, 5, 6, 6]  # regions 1 and 4 have no pair
-    assert region_edges(np.empty(0, dtype=np.int32), 2).tolist() == [0, 0, 0]
-
-
 @given(st.integers(1, 6), st.data())
 def test_saving_every_layer_in_any_order_posts_each_descriptor_exactly_once(layers: int, data) -> None:
     names = [f"l{i}" for i in range(layers)]
@@ -49,7 +42,7 @@ def test_saving_every_layer_in_any_order_posts_each_descriptor_exactly_once(laye
     # A plan lists its pairs in region order (plan_write); some regions have none.
     plan_regions = np.array(sorted(data.draw(st.lists(st.integers(0, len(regions) - 1), max_size=40))),
                             dtype=np.int32)
-    edges = region_edges(plan_regions, len(regions))
+    edges = np.concatenate(([0], np.cumsum(np.bincount(plan_regions, minlength=len(regions)))))  # WritePlan.edges
     progress = Progress(layer_map)
     posted = np.diff(edges) == 0
     went: list[int] = []

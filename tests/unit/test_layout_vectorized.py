@@ -80,8 +80,11 @@ def test_plan_write_pairs_what_region_by_region_planning_paired(case) -> None:
     plan = plan_write(src, dst, src_blocks, dst_blocks)
     assert plan.src_indices.tolist() == s_ref.tolist()
     assert plan.dst_indices.tolist() == d_ref.tolist()
-    assert plan.regions.tolist() == r_ref.tolist()
-    assert plan.lengths.tolist() == l_ref.tolist()
+    # Region r's pairs are plan[edges[r]:edges[r + 1]], and it carries region_bytes[r].
+    assert np.repeat(np.arange(plan.region_count), np.diff(plan.edges)).tolist() == r_ref.tolist()
+    ref_bytes = np.bincount(r_ref.astype(np.int64), weights=l_ref, minlength=len(dst.regions)) if len(r_ref) else \
+        np.zeros(len(dst.regions))
+    assert plan.region_bytes.tolist() == ref_bytes.astype(np.int64).tolist()
     assert plan.nbytes == n_ref and plan.region_count == len(dst.regions)
     assert plan.src_indices.dtype == np.int32 and plan.dst_indices.dtype == np.int32
     assert dest_indices(dst, dst_blocks).tolist() == d_ref.tolist()
@@ -94,7 +97,7 @@ def test_interleaved_groups_keep_region_order_and_block_order() -> None:
     # region 0 (group 0): P 5,2 -> D 1,3; region 1 (group 1): 7 -> 0; region 2: 5,2; region 3: 7.
     assert plan.src_indices.tolist() == [5, 2, 8 + 7, 16 + 5, 16 + 2, 24 + 7]
     assert plan.dst_indices.tolist() == [1, 3, 8 + 0, 16 + 1, 16 + 3, 24 + 0]
-    assert plan.regions.tolist() == [0, 0, 1, 2, 2, 3]
+    assert plan.edges.tolist() == [0, 2, 3, 5, 6] and plan.region_bytes.tolist() == [20, 10, 20, 10]
 
 
 def test_more_remote_blocks_than_local_is_refused_naming_the_group() -> None:
