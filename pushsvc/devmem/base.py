@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pushsvc.state.landing import CopyPlan
+from pushsvc.state.landing import CopyPlan, SlotRun
 
 
 class DeviceBuffer(Protocol):
@@ -39,11 +39,17 @@ class Copier(Protocol):
     plan: CopyPlan
     nbytes: int  # device memory it holds (its copy table and slot map)
 
-    def gather(self, group: int, first: int, count: int, slots: np.ndarray, blocks: np.ndarray) -> CopyJob:
-        """Copy physical landing ``slots`` (one ascending run) of entries ``first ..
-        first + count`` of the plan (one group's) into the worker's physical ``blocks``,
-        pairwise, on the device's copy stream. Returns at once; ``DeviceError`` for pairs
-        ``check_pairs`` refuses."""
+    def map(self, group: int, slots: np.ndarray, blocks: np.ndarray) -> SlotRun:
+        """Set the slot -> block map of physical ``slots`` (one ascending run) of ``group``
+        to the worker's physical ``blocks``, pairwise, on the device's copy stream (before
+        any later copy). Done when the slots are granted, so that a part's copy, on the path
+        a WRITE's completion waits for, only launches. ``DeviceError`` for pairs
+        ``check_pairs`` refuses for any entry of the group."""
+
+    def launch(self, run: SlotRun, first: int, count: int) -> CopyJob:
+        """Copy the pairs ``run`` mapped for entries ``first .. first + count`` of the plan
+        (of ``run``'s group), on the device's copy stream. Returns at once; ``DeviceError``
+        for entries ``check_launch`` refuses."""
 
     def close(self) -> None:
         """Give its memory back (no copy of it may be in flight)."""

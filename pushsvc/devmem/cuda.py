@@ -18,9 +18,13 @@ import structlog
 from pushsvc.devmem import kernel
 from pushsvc.devmem.driver import Driver, format_uuid
 from pushsvc.errors import DeviceError
-from pushsvc.state.landing import COPY_FIELDS, CopyPlan, check_pairs
+from pushsvc.state.landing import COPY_FIELDS, CopyPlan, SlotRun, check_launch, check_pairs
 
 log = structlog.get_logger("pushsvc.devmem")
+
+# Copy events kept for reuse per device (creating and destroying one per launch cost
+# 56 us of a cold daemon's loop on the H200 host).
+_EVENT_POOL = 64
 
 
 class _Mapping:
@@ -39,26 +43,26 @@ class _Mapping:
 
 
 class _Copy:
-    """One launch; its event is destroyed once seen done."""
+    """One launch; its event goes back to the device's pool once seen done."""
 
-    __slots__ = ("_driver", "_event")
+    __slots__ = ("_device", "_event")
 
-    def __init__(self, driver: Driver, event: int) -> None:
-        self._driver, self._event = driver, event
+    def __init__(self, device: CudaDevice, event: int) -> None:
+        self._device, self._event = device, event
 
     def done(self) -> bool:
-        if self._event and self._driver.event_done(self._event):
+        if self._event and self._device.driver.event_done(self._event):
             self._release()
         return not self._event
 
     def wait(self) -> None:
         if self._event:
-            self._driver.event_synchronize(self._event)
+            self._device.driver.event_synchronize(self._event)
             self._release()
 
     def _release(self) -> None:
         event, self._event = self._event, 0
-        self._driver.event_destroy(event)
+        self._device.recycle_event(event)
 
 
 class _Event:
@@ -118,33 +122,46 @@ class _Copier:
             self.close()
             raise
 
-    def gather(self, group: int, first: int, count: int, slots: np.ndarray, blocks: np.ndarray) -> _Copy | _Nothing:
+    def map(self, group: int, slots: np.ndarray, blocks: np.ndarray) -> SlotRun:
         slots = np.asarray(slots, dtype=np.int64)
         blocks = np.asarray(blocks, dtype=np.int64)
-        why = check_pairs(self.plan, first, count, slots, blocks)
+        why = check_pairs(self.plan, *self.plan.group_span(group), slots, blocks)
         if why:
             raise DeviceError(f"copy refused: {why}")
-        if not len(slots) or not count:
+        if not len(slots):
+            return SlotRun(group, 0, 0)
+        device = self._device
+        device.current()
+        at = group * self.plan.slots + int(slots[0])
+        self._mirror[at:at + len(blocks)] = blocks
+        device.driver.upload_async(self._group_map(group) + int(slots[0]) * 8, self._host + at * 8,
+                                   len(blocks) * 8, device.stream)
+        return SlotRun(group, int(slots[0]), len(slots))
+
+    def launch(self, run: SlotRun, first: int, count: int) -> _Copy | _Nothing:
+        why = check_launch(self.plan, run, first, count)
+        if why:
+            raise DeviceError(f"copy refused: {why}")
+        if not run.count or not count:
             return _Nothing()
         device, driver = self._device, self._device.driver
         device.current()
-        stream = device.stream
-        at = group * self.plan.slots + int(slots[0])
-        self._mirror[at:at + len(blocks)] = blocks
-        group_map = self._memory.address + self._map_offset + group * self.plan.slots * 8
-        driver.upload_async(group_map + int(slots[0]) * 8, self._host + at * 8, len(blocks) * 8, stream)
         chunks = -(-self.plan.max_bytes(first, count) // kernel.CHUNK)
-        params = (ctypes.c_uint64(self._memory.address), ctypes.c_uint64(group_map), ctypes.c_uint64(int(slots[0])),
-                  ctypes.c_uint32(first), ctypes.c_uint64(kernel.CHUNK), ctypes.c_uint32(int(self.plan.gather)))
+        params = (ctypes.c_uint64(self._memory.address), ctypes.c_uint64(self._group_map(run.group)),
+                  ctypes.c_uint64(run.first), ctypes.c_uint32(first), ctypes.c_uint64(kernel.CHUNK),
+                  ctypes.c_uint32(int(self.plan.gather)))
         args = (ctypes.c_void_p * len(params))(*(ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in params))
-        driver.launch(self._fn, (len(blocks), count, chunks), kernel.THREADS, stream, args)
-        event = driver.event()
+        driver.launch(self._fn, (run.count, count, chunks), kernel.THREADS, device.stream, args)
+        event = device.pooled_event()
         try:
-            driver.event_record(event, stream)
+            driver.event_record(event, device.stream)
         except DeviceError:
             driver.event_destroy(event)
             raise
-        return _Copy(driver, event)
+        return _Copy(device, event)
+
+    def _group_map(self, group: int) -> int:
+        return self._memory.address + self._map_offset + group * self.plan.slots * 8
 
     def close(self) -> None:
         if self._host:
@@ -164,6 +181,7 @@ class CudaDevice:
         self.allocated = 0  # bytes owned
         self._ctx = driver.retain_context(ordinal)
         self.stream = self._module = 0
+        self._events: list[int] = []  # copy events done with, for the next launches
         try:
             self.current()
             self.stream = driver.stream()
@@ -176,6 +194,16 @@ class CudaDevice:
 
     def current(self) -> None:
         self.driver.use(self._ctx)
+
+    def pooled_event(self) -> int:
+        """An event for a copy's completion: one a finished copy gave back, else a new one."""
+        return self._events.pop() if self._events else self.driver.event()
+
+    def recycle_event(self, event: int) -> None:
+        if len(self._events) < _EVENT_POOL:
+            self._events.append(event)
+        else:
+            self.driver.event_destroy(event)
 
     def import_ipc(self, handle: bytes) -> _Mapping:
         self.current()
@@ -247,7 +275,7 @@ class CudaDevice:
             plan = CopyPlan(table, np.zeros(1, np.int64), np.zeros(1, np.int64), 1, slots, width, gather)
             copier = _Copier(self, plan)
             try:
-                copier.gather(0, 0, 1, *pairs).wait()
+                copier.launch(copier.map(0, *pairs), 0, 1).wait()
             finally:
                 copier.close()
             got = np.frombuffer(self.read(dst, n_dst * length), dtype=np.uint8).reshape(n_dst, length)
@@ -270,6 +298,8 @@ class CudaDevice:
             if self.stream:
                 self.driver.stream_synchronize(self.stream)
                 self.driver.stream_destroy(self.stream)
+            while self._events:
+                self.driver.event_destroy(self._events.pop())
             if self._module:
                 self.driver.unload_module(self._module)
         finally:

@@ -17,7 +17,7 @@ import hashlib
 import numpy as np
 
 from pushsvc.errors import DeviceError
-from pushsvc.state.landing import CopyPlan, check_pairs, copy_ranges
+from pushsvc.state.landing import CopyPlan, SlotRun, check_launch, check_pairs, copy_ranges
 
 
 class _Buffer:
@@ -90,15 +90,27 @@ class _Copier:
         self._device = device
         device.allocated += self.nbytes
         self._open = True
+        self._map = np.full((plan.groups, plan.slots), -1, dtype=np.int64)  # slot -> block, per group
 
-    def gather(self, group: int, first: int, count: int, slots: np.ndarray, blocks: np.ndarray) -> _Copy:
-        assert self._open, "copy through a closed copier"
+    def map(self, group: int, slots: np.ndarray, blocks: np.ndarray) -> SlotRun:
+        assert self._open, "map through a closed copier"
         slots, blocks = np.asarray(slots, dtype=np.int64), np.asarray(blocks, dtype=np.int64)
-        why = check_pairs(self.plan, first, count, slots, blocks)
+        why = check_pairs(self.plan, *self.plan.group_span(group), slots, blocks)
         if why:
             raise DeviceError(f"copy refused: {why}")
-        for src, dst, n in zip(*copy_ranges(self.plan, first, count, slots, blocks)):
-            ctypes.memmove(int(dst), int(src), int(n))
+        self._map[group, slots] = blocks  # the device's slot -> block map, as the real copier keeps it
+        return SlotRun(group, int(slots[0]) if len(slots) else 0, len(slots))
+
+    def launch(self, run: SlotRun, first: int, count: int) -> _Copy:
+        assert self._open, "copy through a closed copier"
+        why = check_launch(self.plan, run, first, count)
+        if why:
+            raise DeviceError(f"copy refused: {why}")
+        if run.count and count:
+            slots = np.arange(run.first, run.first + run.count, dtype=np.int64)
+            blocks = self._map[run.group, run.first:run.first + run.count]
+            for src, dst, n in zip(*copy_ranges(self.plan, first, count, slots, blocks)):
+                ctypes.memmove(int(dst), int(src), int(n))
         self._device.gathers += 1
         return _Copy(self._device, self._device.memory.copy_polls)
 

@@ -24,7 +24,7 @@ from pushsvc.devmem.base import Copier, CopyJob
 from pushsvc.errors import DeviceError
 from pushsvc.metrics import Metrics
 from pushsvc.server.ranks import LandingMemory, Rank
-from pushsvc.state.landing import AllocOutcome, Grant, SlotAllocator, part_regions, physical_blocks
+from pushsvc.state.landing import AllocOutcome, Grant, SlotAllocator, SlotRun, part_regions, physical_blocks
 
 log = structlog.get_logger("pushsvc.landing")
 
@@ -32,19 +32,25 @@ log = structlog.get_logger("pushsvc.landing")
 Action = Callable[[str], None]
 
 
-def launch_copies(copier: Copier, regions: Sequence[int], grant: Grant, block_ids: Sequence[Sequence[int]],
-                  blocks_per_logical: int, into: list[CopyJob]) -> None:
-    """One launch per KV group between ``grant``'s slots and ``block_ids``, over ``regions``,
-    in the direction of ``copier``'s plan (D's landing: slots -> blocks; P's staging: blocks
-    -> slots); each job goes into ``into`` as soon as it is launched, so a DeviceError from
-    a later group leaves the earlier jobs there to be waited for."""
+def map_slots(copier: Copier, grant: Grant, block_ids: Sequence[Sequence[int]],
+              blocks_per_logical: int) -> list[SlotRun]:
+    """Map ``grant``'s slots of each group to ``block_ids`` (``Copier.map``): one run per group."""
+    runs = []
     for g, ids in enumerate(block_ids):
-        first, count = copier.plan.span(regions, g) if len(ids) else (0, 0)
-        if not count:
-            continue
         slots = physical_blocks(np.arange(grant.starts[g], grant.starts[g] + len(ids)), blocks_per_logical)
-        blocks = physical_blocks(np.asarray(ids, dtype=np.int64), blocks_per_logical)
-        into.append(copier.gather(g, first, count, slots, blocks))
+        runs.append(copier.map(g, slots, physical_blocks(np.asarray(ids, dtype=np.int64), blocks_per_logical)))
+    return runs
+
+
+def launch_copies(copier: Copier, regions: Sequence[int], runs: Sequence[SlotRun], into: list[CopyJob]) -> None:
+    """One launch per KV group through its mapped ``runs``, over ``regions``, in the
+    direction of ``copier``'s plan (D's landing: slots -> blocks; P's staging: blocks ->
+    slots); each job goes into ``into`` as soon as it is launched, so a DeviceError from a
+    later group leaves the earlier jobs there to be waited for."""
+    for run in runs:
+        first, count = copier.plan.span(regions, run.group) if run.count else (0, 0)
+        if count:
+            into.append(copier.launch(run, first, count))
 
 
 class PartOutcome(enum.Enum):
@@ -59,8 +65,8 @@ class _Entry:
     rid: str
     block_ids: list[list[int]]  # the worker's logical ids, per group
     asked_at: float
-    ids: list[np.ndarray]  # ... as arrays, made once (each part's copy reads them)
     grant: Grant | None = None  # None while waiting for slots
+    runs: list[SlotRun] = field(default_factory=list)  # the grant's slots, mapped to the blocks (per group)
     parts: int = 0  # k, from the first part's notification
     arrived: set[int] = field(default_factory=set)
     copies: list[CopyJob] = field(default_factory=list)
@@ -115,8 +121,9 @@ class Landing:
                              f"({geometry.nbytes >> 20} MiB; raise landing_mib)")
         if outcome is AllocOutcome.DUPLICATE:
             return outcome, "request id already holds landing slots"
-        state.entries[rid] = _Entry(rid, [list(ids) for ids in block_ids], self._now(),
-                                    [np.asarray(ids, dtype=np.int64) for ids in block_ids], grant)
+        entry = state.entries[rid] = _Entry(rid, [list(ids) for ids in block_ids], self._now(), grant)
+        if grant is not None:
+            self._map(rank, state, entry)
         if outcome is AllocOutcome.QUEUED:
             self._metrics.landing_waits.inc()
             log.info("landing_wait", request_id=rid, rank=rank.number, blocks=max(counts),
@@ -165,16 +172,24 @@ class Landing:
         entry.landed_at = time.perf_counter()
         return PartOutcome.ALL
 
-    def _copy(self, rank: Rank, state: _RankLanding, entry: _Entry, index: int, parts: int) -> None:
-        """Copy the regions part ``index`` of ``parts`` carries: one gather per KV group."""
+    def _map(self, rank: Rank, state: _RankLanding, entry: _Entry) -> None:
+        """Map the granted slots to the entry's blocks now, off the path a WRITE's
+        completion waits for; a refusal fails the request when it ends."""
+        assert entry.grant is not None
         memory = state.memory
-        bpl = memory.geometry.worker.blocks_per_logical
+        try:
+            entry.runs = map_slots(memory.copier, entry.grant, entry.block_ids, memory.geometry.worker.blocks_per_logical)
+        except DeviceError as exc:
+            entry.error = str(exc)
+            log.error("landing_copy_failed", request_id=entry.rid, rank=rank.number, error=entry.error)
+
+    def _copy(self, rank: Rank, state: _RankLanding, entry: _Entry, index: int, parts: int) -> None:
+        """Copy the regions part ``index`` of ``parts`` carries: one launch per KV group."""
+        memory = state.memory
         regions = part_regions(len(memory.geometry.worker.regions), parts, index)
-        grant = entry.grant
-        assert grant is not None
         launched = len(entry.copies)
         try:
-            launch_copies(memory.copier, regions, grant, entry.ids, bpl, entry.copies)
+            launch_copies(memory.copier, regions, entry.runs, entry.copies)
         except DeviceError as exc:
             entry.error = str(exc)
             log.error("landing_copy_failed", request_id=entry.rid, rank=rank.number, error=entry.error)
@@ -236,6 +251,7 @@ class Landing:
                 waiting = state.entries[grant.key]
                 waiting.grant = grant
                 if not state.closing:
+                    self._map(rank, state, waiting)
                     self._granted(rank, grant.key, self._now() - waiting.asked_at)
 
     def busy(self, rank: Rank) -> bool:

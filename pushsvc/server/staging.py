@@ -23,7 +23,7 @@ from pushsvc.devmem.base import CopyJob
 from pushsvc.errors import DeviceError
 from pushsvc.metrics import Metrics
 from pushsvc.server.peers import Peer
-from pushsvc.server.landing import launch_copies
+from pushsvc.server.landing import launch_copies, map_slots
 from pushsvc.server.ranks import Rank, StagingMemory
 from pushsvc.state.landing import AllocOutcome, Grant, SlotAllocator
 from pushsvc.state.producer import Match
@@ -105,8 +105,8 @@ class Staging:
         assert grant is not None
         bpl = rank.memory.layout.blocks_per_logical if rank.memory is not None else 1
         try:
-            launch_copies(memory.copier, range(len(memory.layout.regions)), grant, entry.match.block_ids, bpl,
-                          entry.jobs)
+            runs = map_slots(memory.copier, grant, entry.match.block_ids, bpl)
+            launch_copies(memory.copier, range(len(memory.layout.regions)), runs, entry.jobs)
         except DeviceError as exc:
             entry.error = str(exc)
         self._metrics.staging_copies.inc(len(entry.jobs))

@@ -23,7 +23,7 @@ import bisect
 import enum
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -117,6 +117,9 @@ class CopyPlan:
     slots: int  # physical slots per region of the daemon's buffer
     width: int  # bytes that divide every address, stride and length (at most COPY_ALIGN)
     gather: bool = False  # True: worker -> staging slots (P); False: landing slots -> worker (D)
+    # What ``span`` and ``max_bytes`` found, by their arguments: every part's copy of a
+    # request asks the same few questions again, on a path a WRITE's completion waits for.
+    _known: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, worker: Layout, landing: Layout) -> CopyPlan:
@@ -146,12 +149,24 @@ class CopyPlan:
 
     def span(self, regions: range, group: int) -> tuple[int, int]:
         """(first entry, entries) of ``regions`` that are in ``group``: one contiguous run."""
-        mine = np.flatnonzero((self.group_of == group) & (self.region_of >= regions.start)
-                              & (self.region_of < regions.stop))
-        return (int(mine[0]), len(mine)) if len(mine) else (0, 0)
+        key = ("span", regions.start, regions.stop, group)
+        known = self._known.get(key)
+        if known is None:
+            mine = np.flatnonzero((self.group_of == group) & (self.region_of >= regions.start)
+                                  & (self.region_of < regions.stop))
+            known = self._known[key] = (int(mine[0]), len(mine)) if len(mine) else (0, 0)
+        return known
+
+    def group_span(self, group: int) -> tuple[int, int]:
+        """(first entry, entries) of every region of ``group``."""
+        return self.span(range(len(self.table)), group)
 
     def max_bytes(self, first: int, count: int) -> int:
-        return int(self.table[first:first + count, 6].max()) if count else 0
+        key = ("bytes", first, count)
+        known = self._known.get(key)
+        if known is None:
+            known = self._known[key] = int(self.table[first:first + count, 6].max()) if count else 0
+        return known
 
 
 def copy_ranges(plan: CopyPlan, first: int, count: int, slots: np.ndarray,
@@ -187,6 +202,29 @@ def check_pairs(plan: CopyPlan, first: int, count: int, slots: np.ndarray, block
     if blocks.min() < 0 or blocks.max() >= worker.min():
         return f"block {int(blocks.max())} outside the worker's KV ({int(worker.min())} blocks)"
     return ""
+
+
+def check_launch(plan: CopyPlan, run: SlotRun, first: int, count: int) -> str:
+    """Why entries ``first .. first + count`` cannot be copied through ``run`` ("" if they
+    can): they must be entries of the plan, of the group whose map ``run`` set (its pairs
+    were checked against every entry of that group when it was mapped)."""
+    if not run.count or not count:
+        return ""
+    if first < 0 or first + count > len(plan.group_of):
+        return f"copy entries {first}..{first + count - 1} of {len(plan.group_of)}"
+    if plan.group_of[first] != run.group or plan.group_of[first + count - 1] != run.group:
+        return f"copy entries {first}..{first + count - 1} are not all of group {run.group}"
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRun:
+    """Slots ``first .. first + count`` (physical) of ``group`` whose slot -> block map a
+    copier set (``Copier.map``); the copies through them name it."""
+
+    group: int
+    first: int
+    count: int
 
 
 def physical_blocks(ids: list[int] | np.ndarray, per_logical: int) -> np.ndarray:

@@ -62,10 +62,11 @@ def test_each_width_copies_exactly_what_the_plan_says(device, width, groups, bpl
             ids = rng.choice(blocks, 6, replace=False)
             slots = physical_blocks(np.arange(3, 9), bpl)
             phys = physical_blocks(ids, bpl)
+            run = copier.map(g, slots, phys)  # when the slots are granted
             for i in range(2):  # in two parts, as P sends them
                 first, count = plan.span(part_regions(len(probe.regions), 2, i), g)
                 if count:
-                    jobs.append(copier.gather(g, first, count, slots, phys))
+                    jobs.append(copier.launch(run, first, count))
                     for src, dst, n in zip(*copy_ranges(plan, first, count, slots, phys)):
                         s, d = src - src_mem.address, dst - dst_mem.address
                         expected[d:d + n] = src_bytes[s:s + n]
@@ -95,9 +96,10 @@ def test_large_copies_are_fast_and_exact(device) -> None:
         device.driver.upload(landing_mem.address, pattern.ctypes.data, geometry.nbytes)
         copier = device.copier(plan)
         ids = np.random.default_rng(1).permutation(blocks)
-        copier.gather(0, 0, regions, np.arange(blocks), ids).wait()  # warm
+        run = copier.map(0, np.arange(blocks), ids)
+        copier.launch(run, 0, regions).wait()  # warm
         t0 = time.perf_counter()
-        copier.gather(0, 0, regions, np.arange(blocks), ids).wait()
+        copier.launch(run, 0, regions).wait()
         dt = time.perf_counter() - t0
         print(f"\nlanding copy of {geometry.nbytes >> 20} MiB as {blocks * regions} blocks: "
               f"{dt * 1e3:.2f} ms, {geometry.nbytes / dt / 1e9:.0f} GB/s")

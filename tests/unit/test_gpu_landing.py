@@ -287,3 +287,33 @@ def test_fake_device_memory_is_a_device_memory() -> None:
 
     memory: DeviceMemory = FakeDeviceMemory()
     assert memory.usage() == {"imported": 0, "allocated": 0}
+
+
+def test_a_copy_moves_what_its_slots_were_mapped_to_and_nothing_unmapped() -> None:
+    """``Copier.map`` sets the slot -> block map when slots are granted; a part's launch
+    then copies through it. The fake keeps the map per slot, as the device does."""
+    import ctypes
+
+    from pushsvc.errors import DeviceError
+    from pushsvc.state.landing import CopyPlan, LandingGeometry
+    from pushsvc.state.layout import Layout, RegionSpec
+
+    blocks, block_len = 8, 16
+    worker_mem = (ctypes.c_uint8 * (2 * blocks * block_len))()
+    base = ctypes.addressof(worker_mem)
+    worker = Layout(tuple(RegionSpec(base + r * blocks * block_len, block_len, blocks, block_len) for r in range(2)))
+    geometry = LandingGeometry.build(worker, 4 * worker.bytes_per_logical_block)
+    landing_mem = (ctypes.c_uint8 * geometry.nbytes)(*range(1, geometry.nbytes + 1))
+    memory = FakeDeviceMemory(copy_polls=1)
+    copier = memory.add_device(UUID).copier(CopyPlan.build(worker, geometry.layout(ctypes.addressof(landing_mem))))
+    run = copier.map(0, np.array([1, 2]), np.array([6, 3]))  # slots 1, 2 -> the worker's blocks 6, 3
+    copier.map(0, np.array([0]), np.array([5]))  # another grant's slot: not part of ``run``
+    assert copier.launch(run, 0, 1).done()  # the first region only (a part)
+    got = np.frombuffer(worker_mem, dtype=np.uint8).reshape(2, blocks, block_len)
+    landing = np.frombuffer(landing_mem, dtype=np.uint8).reshape(2, geometry.slots, block_len)
+    assert np.array_equal(got[0, 6], landing[0, 1]) and np.array_equal(got[0, 3], landing[0, 2])
+    assert not got[0, [0, 1, 2, 4, 5, 7]].any() and not got[1].any(), "only the mapped pairs of that region"
+    with pytest.raises(DeviceError, match="outside the worker's KV"):
+        copier.map(0, np.array([3]), np.array([blocks]))
+    with pytest.raises(DeviceError, match="copy entries"):
+        copier.launch(run, 1, 2)

@@ -15,6 +15,8 @@ from pushsvc.state.landing import (
     CopyPlan,
     LandingGeometry,
     SlotAllocator,
+    SlotRun,
+    check_launch,
     check_pairs,
     copy_ranges,
     part_regions,
@@ -192,6 +194,21 @@ def test_pairs_the_kernel_would_skip_are_refused_before_a_launch() -> None:
     # and what the kernel would do with them anyway: nothing out of range
     src, dst, n = copy_ranges(plan, 0, 4, np.array([7, 8]), np.array([40, 3]))
     assert len(src) == 0
+
+
+def test_a_launch_names_entries_of_the_group_its_slots_were_mapped_for() -> None:
+    worker = worker_layout(layers=3, groups=2)
+    plan = CopyPlan.build(worker, LandingGeometry.build(worker, MiB).layout(0))
+    g0, g1 = plan.group_span(0), plan.group_span(1)
+    assert g0 == (0, 4) and g1 == (4, 2)  # layers 0 and 2 are group 0: their K and V
+    run = SlotRun(0, 3, 2)
+    assert check_launch(plan, run, *g0) == "" and check_launch(plan, run, 1, 2) == ""
+    assert "not all of group 0" in check_launch(plan, run, *g1)
+    assert "not all of group 0" in check_launch(plan, run, 2, 3)  # runs into group 1
+    assert "copy entries" in check_launch(plan, run, 5, 2)
+    assert check_launch(plan, SlotRun(0, 0, 0), 5, 2) == "", "nothing mapped: nothing to launch"
+    # span and max_bytes answer the same question from what they found before
+    assert plan.span(range(0, 3), 1) == plan.span(range(0, 3), 1) and plan.max_bytes(0, 4) == 256
 
 
 # ---------------------------------------------------------------- parts
