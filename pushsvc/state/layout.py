@@ -38,6 +38,7 @@ class _Columns:
     offsets: np.ndarray  # int64: the descriptor index of each region's block 0
     block_lens: np.ndarray  # int64
     by_group: dict[int, np.ndarray]  # group -> its region indices, groups in order of first region
+    logical: dict[int, int]  # group -> logical blocks every region of it can hold
 
 
 @dataclass(frozen=True)
@@ -53,16 +54,17 @@ class Layout:
         lens = np.fromiter((r.block_len for r in self.regions), dtype=np.int64, count=len(self.regions))
         offsets = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
         order = list(dict.fromkeys(int(g) for g in groups))  # groups in order of first region
-        return _Columns(offsets, lens, {g: np.flatnonzero(groups == g) for g in order})
+        by_group = {g: np.flatnonzero(groups == g) for g in order}
+        logical = {g: int(counts[regs].min()) // self.blocks_per_logical for g, regs in by_group.items()}
+        return _Columns(offsets, lens, by_group, logical)
 
     @property
     def groups(self) -> int:
-        return 1 + max((r.group for r in self.regions), default=0)
+        return 1 + max(self._columns.by_group, default=0)
 
     def logical_blocks(self, group: int) -> int:
         """Logical blocks every region of ``group`` can hold."""
-        counts = [r.num_blocks for r in self.regions if r.group == group]
-        return min(counts) // self.blocks_per_logical if counts else 0
+        return self._columns.logical.get(group, 0)
 
     @property
     def total_descriptors(self) -> int:
