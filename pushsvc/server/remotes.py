@@ -61,13 +61,14 @@ def view_of(info: AgentInfo, rank: int, tp_size: int, layers: tuple[LayerKey, ..
     return source_view(layout, tp.ratio(tp_size, info.tp_size), index)
 
 
-def registration_error(engine_id: str, info: AgentInfo, reg: PushReg, rank: int,
-                       tp_size: int) -> tuple[str, str] | None:
+def registration_error(engine_id: str, info: AgentInfo, reg: PushReg, rank: int, tp_size: int,
+                       described: Layout | None = None) -> tuple[str, str] | None:
     """Why the known agent ``info`` of engine ``engine_id`` may not send ``reg`` to local
     rank ``rank`` of ``tp_size``, as (reason, message), or None. An agent registers only
     for its own engine, rank and TP size (so it cannot squat on a request id the real D
     will use), with the P rank that writes into it, naming P's TP as it is, and only
-    blocks inside the layout it advertised (blocks outside it could never be written)."""
+    blocks inside the layout it advertised (blocks outside it could never be written;
+    ``described``: that layout, if the caller kept it)."""
     if engine_id != reg.decode_engine_id or info.rank != reg.decode_rank or info.tp_size != reg.decode_tp_size:
         return ("push_reg_sender_mismatch",
                 f"agent of {engine_id} rank {info.rank} sent a PUSH_REG for {reg.decode_engine_id} rank {reg.decode_rank}")
@@ -77,7 +78,7 @@ def registration_error(engine_id: str, info: AgentInfo, reg: PushReg, rank: int,
         return ("push_reg_tp", tp.refusal(tp_size, info.tp_size)
                 or f"D rank {info.rank} of TP {info.tp_size} does not take KV from P rank {rank} of TP {tp_size}")
     try:
-        check_block_ids(layout_of_agent(info), reg.local_block_ids, "PUSH_REG")
+        check_block_ids(described or layout_of_agent(info), reg.local_block_ids, "PUSH_REG")
     except LayoutError as exc:
         return "push_reg_blocks", str(exc)
     return None
@@ -98,6 +99,7 @@ class RemoteAgents:
         self._dlists: dict[str, DListHandle] = {}  # remote agent -> prepared list
         self._verdicts: dict[str, str] = {}  # remote agent -> "" (fits) or why not
         self._layouts: dict[str, Layout] = {}  # remote agent -> its layout, once it fits
+        self._described: dict[str, tuple[AgentInfo, Layout]] = {}  # remote agent -> its hello's layout
 
     def load(self, info: AgentInfo) -> None:
         """Load ``info`` unless it is loaded already; a failure is kept as its verdict."""
@@ -151,6 +153,14 @@ class RemoteAgents:
         self._layouts[name] = remote
         return remote
 
+    def described(self, info: AgentInfo) -> Layout:
+        """``info``'s layout as its daemon described it, made once per hello (every
+        ``PUSH_REG`` of that agent is checked against it)."""
+        kept = self._described.get(info.agent_name)
+        if kept is None or kept[0] is not info:
+            kept = self._described[info.agent_name] = (info, layout_of_agent(info))
+        return kept[1]
+
     def _layers(self) -> tuple[LayerKey, ...] | None:
         if self._stages == 1:
             return None
@@ -168,6 +178,7 @@ class RemoteAgents:
         handle = self._dlists.pop(name, None)
         self._verdicts.pop(name, None)
         self._layouts.pop(name, None)
+        self._described.pop(name, None)
         if name not in self._loaded:
             return
         self._loaded.discard(name)

@@ -238,8 +238,9 @@ class Sender:
                     self._registered(rank, registration.reg, registration.sender, peer, result)
 
     def _sender_checks_out(self, rank: Rank, peer: Peer, sender: str, reg: notif.PushReg) -> bool:
-        error = registration_error(peer.engine_id, peer.agents[sender], reg, rank.number, rank.tp_size)
-        if error is None:
+        info = peer.agents[sender]  # its layout made once per hello, not per PUSH_REG
+        if (error := registration_error(peer.engine_id, info, reg, rank.number, rank.tp_size,
+                                        rank.remotes.described(info))) is None:
             return True
         reason, message = error
         self._malformed(reason, sender, ProtocolError(message))
@@ -359,9 +360,8 @@ class Sender:
         # WRITE over shared memory may complete inside this very call.
         started = time.perf_counter()
         if pending is not None:
-            self.layerwise.begin(rank, match, peer, target.agent_name, LayerPost(
-                pending, push.plan, push.local, rank.remotes.dlist(target.agent_name), push.descs), self._now(),
-                started)
+            post = LayerPost(pending, push.plan, push.local, rank.remotes.dlist(target.agent_name), push.descs)
+            self.layerwise.begin(rank, match, peer, target.agent_name, post, self._now(), started)
             return
         self._timelines.mark(rank, SEND, match.request_id, "write_planned")
         # Announced before the post: D polls back to back from when it hears of the WRITE,

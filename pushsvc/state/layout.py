@@ -38,7 +38,6 @@ class _Columns:
     offsets: np.ndarray  # int64: the descriptor index of each region's block 0
     block_lens: np.ndarray  # int64
     by_group: dict[int, np.ndarray]  # group -> its region indices, groups in order of first region
-    logical: dict[int, int]  # group -> logical blocks every region of it can hold
 
 
 @dataclass(frozen=True)
@@ -54,17 +53,24 @@ class Layout:
         lens = np.fromiter((r.block_len for r in self.regions), dtype=np.int64, count=len(self.regions))
         offsets = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
         order = list(dict.fromkeys(int(g) for g in groups))  # groups in order of first region
-        by_group = {g: np.flatnonzero(groups == g) for g in order}
-        logical = {g: int(counts[regs].min()) // self.blocks_per_logical for g, regs in by_group.items()}
-        return _Columns(offsets, lens, by_group, logical)
+        return _Columns(offsets, lens, {g: np.flatnonzero(groups == g) for g in order})
+
+    @cached_property
+    def _logical(self) -> dict[int, int]:
+        """Group -> logical blocks every region of it can hold: one walk over the regions
+        per layout (a plan asks for every group twice)."""
+        fewest: dict[int, int] = {}
+        for r in self.regions:
+            fewest[r.group] = min(fewest.get(r.group, r.num_blocks), r.num_blocks)
+        return {g: n // self.blocks_per_logical for g, n in fewest.items()}
 
     @property
     def groups(self) -> int:
-        return 1 + max(self._columns.by_group, default=0)
+        return 1 + max(self._logical, default=0)
 
     def logical_blocks(self, group: int) -> int:
         """Logical blocks every region of ``group`` can hold."""
-        return self._columns.logical.get(group, 0)
+        return self._logical.get(group, 0)
 
     @property
     def total_descriptors(self) -> int:
