@@ -38,7 +38,11 @@ async def test_a_push_leaves_one_timeline_per_side_joined_by_request_id() -> Non
         assert _names(p_line) == ["send_ready", "matched", "write_planned", "write_posted", "write_settled", "send_done"]
         assert p_line["peer_request_id"] == "d-req"
         assert d_line["side"] == "recv" and d_line["outcome"] == "recv_done"
-        assert _names(d_line) == ["registered", "push_reg_sent", "completion", "recv_done"]
+        # P's WriteStarted races its completion notification (side channel against NIXL):
+        # D marks write_announced only when the announcement came first.
+        names = _names(d_line)
+        assert names in (["registered", "push_reg_sent", "completion", "recv_done"],
+                         ["registered", "push_reg_sent", "write_announced", "completion", "recv_done"]), names
         assert d_line["events_ms"]["registered"] == 0.0 and d_line["start"].endswith("+00:00")
         for daemon, side, phases in ((pair.p, "send", ("matched", "write_planned", "write_posted", "write_settled", "send_done")),
                                      (pair.d, "recv", ("push_reg_sent", "completion", "recv_done"))):
