@@ -31,8 +31,10 @@ from pushsvc.peer_hosts import PeerHostPolicy
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol.framing import CountingDecoder
 from pushsvc.server.handshake import PeerIntro, handshake
+from pushsvc.server.remotes import layout_of_agent
 from pushsvc.server.session import Session
 from pushsvc.server.tasks import TaskSet
+from pushsvc.state.layout import Layout
 
 log = structlog.get_logger("pushsvc.peers")
 
@@ -67,6 +69,19 @@ class Peer:
     gone: bool = False
     # Woken when it announces agents or loses its last session (``PeerManager.announced``).
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    # Agent name -> (the announcement, its layout): made once per announcement.
+    _described: dict[str, tuple[pp.AgentInfo, Layout]] = field(default_factory=dict, repr=False)
+
+    def described(self, name: str) -> Layout:
+        """The layout agent ``name`` announced (every ``PUSH_REG`` of it is checked against
+        it), made once per announcement; those of agents no longer announced are dropped."""
+        info = self.agents[name]
+        kept = self._described.get(name)
+        if kept is None or kept[0] is not info:
+            if len(self._described) >= len(self.agents):
+                self._described = {n: k for n, k in self._described.items() if self.agents.get(n) is k[0]}
+            kept = self._described[name] = (info, layout_of_agent(info))
+        return kept[1]
 
     def agent_for(self, rank: int, tp_size: int, stage: int = 0) -> pp.AgentInfo | None:
         """The agent it announced for TP rank ``rank`` of ``tp_size`` in pipeline ``stage``."""

@@ -78,7 +78,8 @@ def registration_error(engine_id: str, info: AgentInfo, reg: PushReg, rank: int,
         return ("push_reg_tp", tp.refusal(tp_size, info.tp_size)
                 or f"D rank {info.rank} of TP {info.tp_size} does not take KV from P rank {rank} of TP {tp_size}")
     try:
-        check_block_ids(described or layout_of_agent(info), reg.local_block_ids, "PUSH_REG")
+        check_block_ids(described if described is not None else layout_of_agent(info), reg.local_block_ids,
+                        "PUSH_REG")
     except LayoutError as exc:
         return "push_reg_blocks", str(exc)
     return None
@@ -99,7 +100,6 @@ class RemoteAgents:
         self._dlists: dict[str, DListHandle] = {}  # remote agent -> prepared list
         self._verdicts: dict[str, str] = {}  # remote agent -> "" (fits) or why not
         self._layouts: dict[str, Layout] = {}  # remote agent -> its layout, once it fits
-        self._described: dict[str, tuple[AgentInfo, Layout]] = {}  # remote agent -> its hello's layout
 
     def load(self, info: AgentInfo) -> None:
         """Load ``info`` unless it is loaded already; a failure is kept as its verdict."""
@@ -153,14 +153,6 @@ class RemoteAgents:
         self._layouts[name] = remote
         return remote
 
-    def described(self, info: AgentInfo) -> Layout:
-        """``info``'s layout as its daemon described it, made once per hello (every
-        ``PUSH_REG`` of that agent is checked against it)."""
-        kept = self._described.get(info.agent_name)
-        if kept is None or kept[0] is not info:
-            kept = self._described[info.agent_name] = (info, layout_of_agent(info))
-        return kept[1]
-
     def _layers(self) -> tuple[LayerKey, ...] | None:
         if self._stages == 1:
             return None
@@ -178,7 +170,6 @@ class RemoteAgents:
         handle = self._dlists.pop(name, None)
         self._verdicts.pop(name, None)
         self._layouts.pop(name, None)
-        self._described.pop(name, None)
         if name not in self._loaded:
             return
         self._loaded.discard(name)

@@ -238,9 +238,8 @@ class Sender:
                     self._registered(rank, registration.reg, registration.sender, peer, result)
 
     def _sender_checks_out(self, rank: Rank, peer: Peer, sender: str, reg: notif.PushReg) -> bool:
-        info = peer.agents[sender]  # its layout made once per hello, not per PUSH_REG
-        if (error := registration_error(peer.engine_id, info, reg, rank.number, rank.tp_size,
-                                        rank.remotes.described(info))) is None:
+        if (error := registration_error(peer.engine_id, peer.agents[sender], reg, rank.number, rank.tp_size,
+                                        peer.described(sender))) is None:
             return True
         reason, message = error
         self._malformed(reason, sender, ProtocolError(message))

@@ -224,23 +224,26 @@ def test_a_d_rank_registering_with_a_p_rank_that_does_not_serve_it_is_refused() 
 
 
 def test_a_push_regs_blocks_are_checked_against_the_layout_its_agents_hello_described() -> None:
-    from pushsvc.engine.fake import FakeEngine
-    from pushsvc.server.remotes import RemoteAgents
+    from pushsvc.server.peers import Peer
 
-    remotes = RemoteAgents(FakeEngine().create_agent("p/r0"), 1 << 20, prepare=False)
-    hello = _agent(0, 1)
-    described = remotes.described(hello)
-    assert remotes.described(hello) is described, "made once per hello"
+    peer = Peer("daemon", "decode", "127.0.0.1", 1)
+    hello = peer.agents["d/r0"] = _agent(0, 1)
+    described = peer.described("d/r0")
+    assert peer.described("d/r0") is described, "made once per announcement"
     beyond = msgspec.structs.replace(_reg(0, 1, 1), local_block_ids=[[8]])  # the agent describes 8 blocks
     error = registration_error("decode", hello, beyond, 0, 1, described)
     assert error is not None and error[0] == "push_reg_blocks"
-    # A new hello of the same agent (a bigger KV, say) is described anew.
-    again = msgspec.structs.replace(hello, regions=[pp.RegionInfo(base=0x10000, block_len=64, num_blocks=16, heads=4)])
-    assert remotes.described(again) is not described
-    assert registration_error("decode", again, beyond, 0, 1, remotes.described(again)) is None
-    kept = remotes.described(again)
-    remotes.unload(hello.agent_name)  # the agent went: what its hello described goes too
-    assert remotes.described(again) is not kept
+    # A new announcement of the same agent (a bigger KV, say) is described anew.
+    again = peer.agents["d/r0"] = msgspec.structs.replace(
+        hello, regions=[pp.RegionInfo(base=0x10000, block_len=64, num_blocks=16, heads=4)])
+    assert peer.described("d/r0") is not described
+    assert registration_error("decode", again, beyond, 0, 1, peer.described("d/r0")) is None
+    # Agents no longer announced are not kept: at most one layout per announced agent.
+    for i in range(1, 5):
+        del peer.agents[f"d/r{i - 1}"]
+        peer.agents[f"d/r{i}"] = msgspec.structs.replace(hello, agent_name=f"d/r{i}")
+        peer.described(f"d/r{i}")
+    assert set(peer._described) == {"d/r4"}
 
 
 # ---------------------------------------------------------------- replicated KV (MLA)
