@@ -174,10 +174,12 @@ class Driver:
 
     def export_allocation(self, ptr: int) -> Export:
         """The IPC handle of the allocation holding ``ptr``. Refuses memory that cannot be
-        exported this way (CUDA VMM, e.g. torch's ``expandable_segments``)."""
+        exported this way: CUDA VMM (e.g. torch's ``expandable_segments``) and memory this
+        process mapped from another one."""
         if not self._attribute(ptr, _ATTR_IS_LEGACY_CUDA_IPC_CAPABLE):
-            raise DeviceError("KV cache memory cannot be shared by CUDA IPC handle: it is a CUDA VMM allocation "
-                              "(unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF for the engine)")
+            raise DeviceError("KV cache memory cannot be shared by CUDA IPC handle: it is not a cudaMalloc "
+                              "allocation of this process (a CUDA VMM allocation: unset expandable_segments in "
+                              "PYTORCH_CUDA_ALLOC_CONF for the engine; or memory mapped from another process)")
         base, size = self.address_range(ptr)
         handle = _IpcHandle()
         self._check(self._lib.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
