@@ -1,4 +1,4 @@
-"""GPU push on one GPU: the daemon path side by side with its anchors, in one run.
+"""GPU push on one GPU or across two: the daemon path side by side with its anchors, in one run.
 
 For 1 to 4096 blocks of vLLM-shaped KV (32 layers, FlashAttention layout, 16 tokens x 8 KV
 heads x 128 dim bf16: 32 KiB per layer half, 2 MiB per block), with P's and D's block ids
@@ -15,6 +15,8 @@ contiguous (a fresh prefill) and scattered (a long-running engine):
 * **torch copy**: one device-to-device copy of the same bytes, for scale.
 
 Plus the small-request latency (1 block x 32 layers, worker message to ``RecvDone``).
+P's side (its worker, the anchors' initiator, the copy's source) is on GPU ``--p-gpu``, D's
+on ``--d-gpu``; by default 0 and, where two GPUs are visible, 1 (``gpuprocs.gpu_for``).
 Writes ``gpu_push.json`` and ``gpu_push.png`` and prints a table (docs/benchmarks.md).
 
     python benchmarks/gpu_push.py [--blocks 1,4,16,64,256,1024,4096] [--repeats 5] [--out DIR]
@@ -51,9 +53,13 @@ def _block_sets(n: int, total: int, pattern: str, seed: int) -> tuple[list[int],
 # ---------------------------------------------------------------- torch copy
 
 
-def torch_copy(sizes: list[int], repeats: int) -> dict[int, float]:
+def torch_copy(sizes: list[int], repeats: int, src_gpu: int = 0, dst_gpu: int = 0) -> dict[int, float]:
+    """One copy of each size from GPU ``src_gpu`` to ``dst_gpu`` (a peer copy when they differ)."""
     import torch
 
+    if src_gpu != dst_gpu:
+        return _peer_copy(sizes, repeats, src_gpu, dst_gpu)
+    torch.cuda.set_device(src_gpu)
     out = {}
     src = torch.empty(max(sizes) * BLOCK_BYTES, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -76,8 +82,35 @@ def torch_copy(sizes: list[int], repeats: int) -> dict[int, float]:
 # ---------------------------------------------------------------- in-process NIXL
 
 
-def _kv_layout(total_blocks: int):
+def _peer_copy(sizes: list[int], repeats: int, src_gpu: int, dst_gpu: int) -> dict[int, float]:
+    """Wall-clock of a peer copy until both devices are idle (events of one device cannot
+    time a copy that two devices take part in)."""
     import torch
+
+    out = {}
+    src = torch.empty(max(sizes) * BLOCK_BYTES, dtype=torch.uint8, device=f"cuda:{src_gpu}")
+    dst = torch.empty_like(src, device=f"cuda:{dst_gpu}")
+    for n in sizes:
+        nbytes = n * BLOCK_BYTES
+        times = []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize(src_gpu)
+            torch.cuda.synchronize(dst_gpu)
+            t0 = time.perf_counter()
+            dst[:nbytes].copy_(src[:nbytes])
+            torch.cuda.synchronize(src_gpu)
+            torch.cuda.synchronize(dst_gpu)
+            times.append(time.perf_counter() - t0)
+        out[n] = statistics.median(times[1:])
+    del src, dst
+    torch.cuda.empty_cache()
+    return out
+
+
+def _kv_layout(total_blocks: int, gpu: int = 0):
+    import torch
+
+    torch.cuda.set_device(gpu)
 
     from pushsvc.state.layout import Layout, RegionSpec
     from pushsvc_connector.kvlayout import regions_of
@@ -91,14 +124,14 @@ def _kv_layout(total_blocks: int):
     return tensors, Layout(tuple(regions))
 
 
-def _anchor_target(conn, total_blocks: int, ucx_mode: str = "peer", sgl: bool = False) -> None:
+def _anchor_target(conn, total_blocks: int, ucx_mode: str = "peer", sgl: bool = False, gpu: int = 0) -> None:
     from pushsvc.engine.nixl import NixlEngine
     from pushsvc.state.layout import descriptor_table
 
-    tensors, layout = _kv_layout(total_blocks)
+    tensors, layout = _kv_layout(total_blocks, gpu)
     agent = NixlEngine(["UCX"], ucx_error_handling_mode=ucx_mode, sgl=sgl).create_agent("anchor-target")
-    agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], "VRAM", 0)
-    conn.send((agent.metadata(), descriptor_table(layout, 0), layout))
+    agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], "VRAM", gpu)
+    conn.send((agent.metadata(), descriptor_table(layout, gpu), layout))
     agent.add_remote(conn.recv())
     while True:
         want = conn.recv()
@@ -114,22 +147,22 @@ def _anchor_target(conn, total_blocks: int, ucx_mode: str = "peer", sgl: bool = 
 
 
 def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int,
-                ucx_mode: str = "peer", sgl: bool = False) -> dict:
+                ucx_mode: str = "peer", sgl: bool = False, p_gpu: int = 0, d_gpu: int = 0) -> dict:
     from nixl_pair import timed_write  # benchmarks/
     from pushsvc.engine.nixl import NixlEngine
     from pushsvc.state.layout import descriptor_table, plan_write
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_anchor_target, args=(child, total_blocks, ucx_mode, sgl))
+    proc = ctx.Process(target=_anchor_target, args=(child, total_blocks, ucx_mode, sgl, d_gpu))
     proc.start()
-    tensors, layout = _kv_layout(total_blocks)
+    tensors, layout = _kv_layout(total_blocks, p_gpu)
     agent = NixlEngine(["UCX"], ucx_error_handling_mode=ucx_mode, sgl=sgl).create_agent("anchor-initiator")
-    agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], "VRAM", 0)
+    agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors], "VRAM", p_gpu)
     meta, remote_descs, remote_layout = parent.recv()
     parent.send(agent.metadata())
     name = agent.add_remote(meta)
-    local = agent.prep_local(descriptor_table(layout, 0), "VRAM")
+    local = agent.prep_local(descriptor_table(layout, p_gpu), "VRAM")
     remote = agent.prep_remote(name, remote_descs, "VRAM")
     out: dict = {}
     for pattern in patterns:
@@ -423,7 +456,16 @@ def main() -> None:
                     help="only whole-request against layer-wise push after a simulated forward pass")
     ap.add_argument("--layer-cycles", type=int, default=2_000_000,
                     help="--layerwise: GPU cycles each layer is kept busy (~1 ms at 2 GHz)")
+    ap.add_argument("--p-gpu", type=int, default=None, help="P's GPU (default 0)")
+    ap.add_argument("--d-gpu", type=int, default=None, help="D's GPU (default 1 where two are visible, else 0)")
     args = ap.parse_args()
+    from gpuprocs import gpu_for  # tests/gpu
+
+    for name, value in (("PUSHSVC_P_GPU", args.p_gpu), ("PUSHSVC_D_GPU", args.d_gpu)):
+        if value is not None:
+            os.environ[name] = str(value)  # the worker processes read it too
+    p_gpu, d_gpu = gpu_for("producer"), gpu_for("consumer")
+    print(f"P on cuda:{p_gpu}, D on cuda:{d_gpu}", flush=True)
     sizes = [int(b) for b in args.blocks.split(",")]
     patterns = args.patterns.split(",")
     total = max(sizes) + 256
@@ -456,9 +498,10 @@ def main() -> None:
                 print(f"  {event:16s} {statistics.median(got):7.3f}")
         return
     print("torch copy ...", flush=True)
-    copy = torch_copy(sizes, args.repeats)
+    copy = torch_copy(sizes, args.repeats, p_gpu, d_gpu)
     print("in-process NIXL ...", flush=True)
-    anchor = nixl_anchor(sizes, total, patterns, args.repeats, args.ucx_error_handling_mode, args.ucx_sgl == "on")
+    anchor = nixl_anchor(sizes, total, patterns, args.repeats, args.ucx_error_handling_mode, args.ucx_sgl == "on",
+                         p_gpu, d_gpu)
     print("daemon push ...", flush=True)
     push = daemon_push(sizes, total, patterns, args.repeats, args.small, part_mib=args.part_mib,
                        staging_mib=args.staging_mib, ucx_mode=args.ucx_error_handling_mode,
@@ -477,7 +520,7 @@ def main() -> None:
               "layout": {"layers": LAYERS, "block_size": BLOCK_SIZE, "kv_heads": HEADS, "head_dim": DIM,
                          "dtype": "bfloat16", "block_bytes": BLOCK_BYTES},
               "daemon_info": push["daemon_info"], "write_part_mib": args.part_mib,
-              "staging_mib": args.staging_mib, "ucx_sgl": args.ucx_sgl}
+              "staging_mib": args.staging_mib, "ucx_sgl": args.ucx_sgl, "p_gpu": p_gpu, "d_gpu": d_gpu}
     (out_dir / "gpu_push.json").write_text(json.dumps(result, indent=2))
     _chart(rows, out_dir / "gpu_push.png")
     print("\n| ids | blocks | MiB | daemon push GB/s | in-process NIXL GB/s | daemon / NIXL | torch copy GB/s "

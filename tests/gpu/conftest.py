@@ -26,6 +26,15 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError("tests/gpu need a CUDA GPU (torch.cuda.is_available() is False)")
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    import torch
+
+    from gpuprocs import gpu_for
+
+    return (f"GPUs: {torch.cuda.device_count()} visible; P's workers on cuda:{gpu_for('producer')}, "
+            f"D's on cuda:{gpu_for('consumer')}")
+
+
 GPU_FLAGS = ("--gpu", "on", "--log-level", "info")
 
 

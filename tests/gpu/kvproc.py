@@ -42,7 +42,7 @@ class KV:
 
     def __init__(self, layout: str, layers: int, blocks: int, block_size: int, heads: int, dim: int,
                  seed: int) -> None:
-        dev = torch.device("cuda", 0)
+        dev = torch.device("cuda", torch.cuda.current_device())
         self.layout, self.blocks = layout, blocks
         self.tensors: dict[str, torch.Tensor] = {}
         self.storage: list[tuple[torch.Tensor, int]] = []  # (tensor whose dim ``d`` runs over blocks, d)
@@ -142,8 +142,9 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--layerwise", type=int, default=0, help="1: push layer by layer (the worker's layer events)")
+    ap.add_argument("--device", type=int, default=0, help="the GPU (torch's index) the KV lives on")
     args = ap.parse_args()
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(args.device)
     kv = KV(args.layout, args.layers, args.blocks, args.block_size, args.heads, args.dim, args.seed)
     worker = PushWorker(socket_path=args.socket, rank=args.rank, tp_size=args.tp_size, role=args.role,
                         reconnect_interval_s=0.05, layerwise=bool(args.layerwise),
