@@ -289,7 +289,7 @@ def test_kill_9_and_restart_with_the_workers_up(spawn: Spawner, side: str) -> No
     p = spawn.worker(daemons["prefill"], "producer", blocks=P_BLOCKS, seed=7)
     d = spawn.worker(daemons["decode"], "consumer", blocks=D_BLOCKS, seed=8)
     _push_and_check(p, d, daemons["prefill"], _plan(random.Random(1), 4))
-    free_before = d.call("mem")["free"]
+    free_before = {w: w.call("mem")["free"] for w in (p, d)}  # P's GPU and D's (one GPU or two)
     # Load in flight: registrations and sends, then the kill.
     load = [(f"load-{i}", list(range(i * 8, i * 8 + 8)), list(range(i * 8, i * 8 + 8))) for i in range(12)]
     _recv(d, daemons["prefill"], [(rid, dd) for rid, _, dd in load])
@@ -314,10 +314,11 @@ def test_kill_9_and_restart_with_the_workers_up(spawn: Spawner, side: str) -> No
     _push_and_check(p, d, daemons["prefill"], _plan(random.Random(2), 4))
     # Nothing of the old daemon stays on the GPU (its context, imports and landing went
     # with it; the new one holds the same again).
-    free_after = d.call("mem")["free"]
-    assert abs(free_after - free_before) < 256 << 20, (
-        f"{(free_before - free_after) >> 20} MiB of the GPU not given back after the {side} restart "
-        f"(D's landing is 512 MiB; docs/gpu.md, known limits)")
+    for w, name in ((p, "P's"), (d, "D's")):
+        free_after = w.call("mem")["free"]
+        assert abs(free_after - free_before[w]) < 256 << 20, (
+            f"{(free_before[w] - free_after) >> 20} MiB of {name} GPU not given back after the {side} restart "
+            f"(D's landing is 512 MiB; docs/gpu.md, known limits)")
     for daemon in daemons.values():
         state = _gpu_state(daemon)
         landing = sum(a["landing_bytes"] for a in daemon.live_info()["agents"])
