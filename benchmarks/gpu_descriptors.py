@@ -153,7 +153,7 @@ def main() -> None:
             tag = f"{pattern}-{rep}"
             parent.send(("notif", tag))
             parent.recv()
-            t0, _ = timed_write(agent, local, idx, remote, idx, tag)
+            t0 = timed_write(agent, local, idx, remote, idx, tag).start
             seen = parent.recv()
             if rep:
                 times.append(max(seen, time.perf_counter()) - t0)

@@ -174,7 +174,7 @@ def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeat
                 tag = f"{pattern}-{n}-{rep}"
                 parent.send(tag)
                 parent.recv()
-                t0, _ = timed_write(agent, local, plan.src_indices, remote, plan.dst_indices, tag)
+                t0 = timed_write(agent, local, plan.src_indices, remote, plan.dst_indices, tag).start
                 seen = parent.recv()
                 if rep:
                     times.append(max(seen, time.perf_counter()) - t0)

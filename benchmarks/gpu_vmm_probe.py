@@ -231,7 +231,7 @@ def _run_probe(kind: str, src, agent, local, src_idx) -> dict:
         for i in range(5):
             parent.send(f"w{i}")
             assert _recv(parent, "armed") == "armed"
-            t0, _ = timed_write(agent, local, src_idx, remote, np.arange(n), f"w{i}")
+            t0 = timed_write(agent, local, src_idx, remote, np.arange(n), f"w{i}").start
             head = _recv(parent, f"WRITE {i}'s notification")
             rates.append(TOTAL / (time.perf_counter() - t0) / 1e9)
         parent.send(None)

@@ -15,6 +15,7 @@ import json
 import multiprocessing as mp
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -57,16 +58,24 @@ def _target(conn, total: int, block_len: int, ucx_mode: str, regions: int) -> No
         conn.send(seen_at)
 
 
-def timed_write(agent, local, src_idx, remote, dst_idx, tag: str) -> tuple[float, float]:
-    """Post one WRITE with notification ``tag``, spin until it settles, release it:
-    ``time.perf_counter()`` just before the post and once it was no longer in progress."""
+class Timed(NamedTuple):
+    """``time.perf_counter()`` at the moments of one WRITE."""
+
+    start: float  # just before the post
+    posted: float  # the post returned (over tcp the bytes moved inside it)
+    settled: float  # no longer in progress
+
+
+def timed_write(agent, local, src_idx, remote, dst_idx, tag: str) -> Timed:
+    """Post one WRITE with notification ``tag``, spin until it settles, release it."""
     t0 = time.perf_counter()
     handle, state = agent.write(local, src_idx, remote, dst_idx, tag.encode())
+    posted = time.perf_counter()
     while state is XferState.PROC:
         state = agent.state(handle)
     t1 = time.perf_counter()
     agent.release(handle)
-    return t0, t1
+    return Timed(t0, posted, t1)
 
 
 def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer", regions: int = 1,
@@ -91,18 +100,19 @@ def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer", 
     for size in sizes:
         n = size // block_len
         idx = plan_write(layout, layout, [list(range(n))], [list(range(n))]).src_indices
-        times, notif_times = [], []
+        times, notif_times, post_times = [], [], []
         for rep in range(repeats + 1):
             tag = f"bench-{size}-{rep}"
             parent.send(tag)
             parent.recv()  # "armed": the target is polling for this notification
-            t0, t1 = timed_write(agent, local, idx, remote, idx, tag)
+            t = timed_write(agent, local, idx, remote, idx, tag)
             seen_at = parent.recv()
             if rep:  # the first is a warm-up (connection set-up)
-                times.append(t1 - t0)
-                notif_times.append(max(t1, seen_at) - t0)
+                times.append(t.settled - t.start)
+                notif_times.append(max(t.settled, seen_at) - t.start)
+                post_times.append(t.posted - t.start)
         out.append({"size": size, "blocks": n, "block_len": block_len, "write_s": float(np.median(times)),
-                    "notified_s": float(np.median(notif_times))})
+                    "notified_s": float(np.median(notif_times)), "post_s": float(np.median(post_times))})
     parent.send(None)
     proc.join(30)
     return out
