@@ -62,6 +62,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "from there (0: WRITE from vLLM's KV directly)")
     p.add_argument("--write-part-mib", dest="write_part_mib", type=int,
                    help="P: WRITEs into a landing buffer go in parts of about this size, MiB (0: one WRITE)")
+    p.add_argument("--post-slice-mib", dest="post_slice_mib", type=int,
+                   help="P: WRITEs from host memory go a slice of about this size per loop pass, MiB (0: one post)")
     p.add_argument("--ucx-error-handling-mode", dest="ucx_error_handling_mode", choices=["peer", "none"],
                    help="UCX error handling: peer (a dead peer fails the WRITE; on one host RMA over tcp/lo) "
                         "or none (shared-memory transports)")
@@ -122,7 +124,7 @@ _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_
               "health_token_file", "insecure_health",
               "allowed_peer_hosts", "lease_s", "watchdog_s", "log_format", "log_level", "verify", "gpu", "landing_mib",
               "staging_mib",
-              "write_part_mib", "ucx_error_handling_mode", "ucx_sgl")
+              "write_part_mib", "post_slice_mib", "ucx_error_handling_mode", "ucx_sgl")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -128,6 +128,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # P splits a WRITE into a landing buffer into parts of about this size, so D copies
     # early parts while later ones land (at most 32 parts); 0 = one WRITE.
     write_part_mib: int = 256
+    # P posts a WRITE from host memory (the CPU path) a slice of about this size per pass
+    # of its loop: over TCP the post itself moves the bytes, holding the loop that long
+    # (~8 ms per 64 MiB on one host; docs/architecture.md, "UCX transports"). 0 = one post.
+    post_slice_mib: int = 64
     # P's staging buffer per producer rank with CUDA KV: P copies a request's blocks into it
     # and WRITEs from there, so NIXL never registers the worker's (imported) memory. For NICs
     # that cannot register CUDA-IPC-imported memory (docs/gpu.md); 0 = WRITE from the KV.
@@ -181,7 +185,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("log_level", f"must be one of {sorted(LOG_LEVELS)}")
         if self.gpu not in GPU_MODES:
             raise ConfigError("gpu", f"must be one of {sorted(GPU_MODES)}")
-        for name in ("landing_mib", "write_part_mib", "staging_mib"):
+        for name in ("landing_mib", "write_part_mib", "staging_mib", "post_slice_mib"):
             if not 0 <= getattr(self, name) <= 1 << 20:
                 raise ConfigError(name, f"must be in 0..{1 << 20} MiB, got {getattr(self, name)}")
         if self.ucx_error_handling_mode not in ("peer", "none"):

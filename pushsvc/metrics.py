@@ -71,7 +71,7 @@ class Metrics:
             "pushsvc_landing_exposed_seconds", "Last part landed to every copy into the worker's KV done",
             buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1, 1),
             registry=r)
-        self.write_parts = Counter("pushsvc_write_parts", "WRITEs posted, counting every part", registry=r)
+        self.write_parts = Counter("pushsvc_write_parts", "WRITEs posted, counting every part and slice", registry=r)
         self.engine_slow_calls = Counter(
             "pushsvc_engine_slow_calls", "NIXL calls that held the event loop for 0.25 s or more, by call", ["call"],
             registry=r)

@@ -36,19 +36,12 @@ from pushsvc.server.remotes import registration_error
 from pushsvc.server.tasks import TaskSet
 from pushsvc.server.timelines import Timelines
 from pushsvc.server.staging import Staging
-from pushsvc.server.writes import (LayerPost, Write, plan_push, post_parts, release_all, release_settled,
-                                   write_started)
+from pushsvc.server.writes import (LayerPost, Write, next_slice, plan_push, post_write, release_all,
+                                   release_settled, write_started)
 from pushsvc.state.layout import check_block_ids
 from pushsvc.state.timeline import SEND
-from pushsvc.state.producer import (
-    ExpiryKind,
-    Match,
-    ProducerTable,
-    Registration,
-    RegOutcome,
-    RegResult,
-    StageOutcome,
-)
+from pushsvc.state.producer import (ExpiryKind, Match, ProducerTable, Registration, RegOutcome, RegResult,
+                                    StageOutcome)
 
 log = structlog.get_logger("pushsvc.sender")
 
@@ -62,11 +55,12 @@ class SendSettings:
     verify: bool
     unverified_ttl_s: float  # how long a PUSH_REG from an unannounced agent may wait
     part_bytes: int = 0  # WRITEs into a landing buffer go in parts of about this size
+    slice_bytes: int = 0  # WRITEs from host memory go a slice of about this size per loop pass
 
     @classmethod
     def of(cls, config: Config) -> SendSettings:
         return cls(config.engine_id, config.lease_s, config.registration_ttl_s, config.max_notif_bytes, config.verify,
-                   config.handshake_timeout_s, config.write_part_mib << 20)
+                   config.handshake_timeout_s, config.write_part_mib << 20, config.post_slice_mib << 20)
 
 
 @dataclass(eq=False)
@@ -348,7 +342,7 @@ class Sender:
             remote = rank.remotes.layout(target, memory.joint_view(target.members) if joint else memory.layout)
             source = memory.joint_source(rank.agent, target.members) if joint else None  # once it fits D's
             push = plan_push(memory, remote, match, target, peer.minor, s.part_bytes, s.verify and not layered,
-                             slot_ids, source, whole=layered)
+                             slot_ids, source, whole=layered, slice_bytes=s.slice_bytes)
         except LayoutError as exc:
             self._unposted(rank, match, peer, staged, "layout_mismatch", str(exc))
             return
@@ -366,8 +360,8 @@ class Sender:
         # Announced before the post: D polls back to back from when it hears of the WRITE,
         # and a WRITE over tcp/lo moves only while D progresses, so D starts while P posts.
         self._peers.send(peer, write_started(rank, reg, push.plan.nbytes, push.digests))
-        handles, states, failed = post_parts(rank.agent, rank.remotes.dlist(target.agent_name),
-                                             target.agent_name, push, reg.request_id, rank.tp_size)
+        handles, states, failed, sliced = post_write(rank.agent, rank.remotes.dlist(target.agent_name),
+                                                     target.agent_name, push, reg.request_id, rank.tp_size)
         if not handles:
             self._unposted(rank, match, peer, staged, "write_submit_failed", failed)
             return
@@ -375,13 +369,13 @@ class Sender:
         self._metrics.match_wait_seconds.observe(now - match.staged.staged_at)
         self._metrics.write_parts.inc(len(handles))
         write = Write(match, handles, target.agent_name, push.plan.nbytes, now, started,
-                      failed=("write_submit_failed", failed) if failed else None, staged=staged)
+                      failed=("write_submit_failed", failed) if failed else None, staged=staged, sliced=sliced)
         self._of(rank).writes[match.request_id] = write
         self._timelines.mark(rank, SEND, match.request_id, "write_posted")
         self._metrics.transfer_blocks.inc(push.plan.logical_blocks)
         log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=push.plan.nbytes,
                   descriptors=len(push.plan.src_indices), parts=len(handles))
-        self._settle_parts(rank, write, states)
+        self._settle_parts(rank, write, states, post=False)  # a next slice goes in the next pass
         self._wake()
 
     def _unposted(self, rank: Rank, match: Match, peer: Peer, staged: str, kind: str, reason: str) -> None:
@@ -389,10 +383,11 @@ class Sender:
         self.staging.release(rank, staged)
         self._fail_push(rank, match, peer, kind, reason)
 
-    def _settle_parts(self, rank: Rank, write: Write, states: list[XferState]) -> None:
-        """Release the parts of ``write`` that settled; once none is left, settle it (a
-        layer-wise WRITE once all of it is posted, or it stopped)."""
-        if not release_settled(rank.agent, write, states):
+    def _settle_parts(self, rank: Rank, write: Write, states: list[XferState], post: bool = True) -> None:
+        """Release the parts of ``write`` that settled; once none is left, settle it (layer-wise
+        once all is posted or it stopped; in slices once the last one settled, ``post``: the next now)."""
+        if not release_settled(rank.agent, write, states) or next_slice(rank.agent, write, self._now(), post,
+                                                                        self._metrics.write_parts):
             return
         layered = write.layered
         if layered is not None and write.failed is None:

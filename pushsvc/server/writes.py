@@ -1,6 +1,7 @@
 """P's WRITEs: planning one push, posting it in parts (or, layer-wise, piece by piece as
-its layers become final), releasing the parts as they settle. The NIXL calls of the
-Sender's WRITE path, kept apart from its matching and reporting (``sender.py``)."""
+its layers become final; from host memory, a slice per loop pass), releasing the parts as
+they settle. The NIXL calls of the Sender's WRITE path, kept apart from its matching and
+reporting (``sender.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
+from prometheus_client import Counter
 
 from pushsvc.engine.base import Agent, DListHandle, XferHandle, XferState
 from pushsvc.errors import LayoutError, TransferError
@@ -17,7 +19,7 @@ from pushsvc.server.ranks import Rank, RankMemory
 from pushsvc.server.verify import digest_memory
 from pushsvc.state.landing import parts_for
 from pushsvc.state.layerwise import Progress, postable
-from pushsvc.state.layout import Layout, WritePlan, plan_write, split_plan
+from pushsvc.state.layout import Layout, WritePlan, plan_write, slice_cuts, split_plan
 from pushsvc.state.producer import Match
 
 log = structlog.get_logger("pushsvc.sender")
@@ -61,6 +63,41 @@ class LayerPost:
         return handle, state, ""
 
 
+@dataclass(eq=False)
+class SlicedPost:
+    """A WRITE from host memory, posted one slice per pass of the progress loop: over TCP
+    a post moves its bytes before it returns, and holds the daemon's loop that long
+    (docs/architecture.md, "UCX transports"). A slice goes once the ones before it
+    settled; the last carries the completion notification."""
+
+    plan: WritePlan
+    local: DListHandle
+    remote: DListHandle
+    cuts: tuple[int, ...]  # slice i is the plan's pairs cuts[i]:cuts[i + 1]
+    note: bytes
+    posted: int = 0  # slices posted
+    # The first slice is posted while the progress pass matches; its poll, later in the
+    # same pass, leaves the next one to the pass after.
+    fresh: bool = True
+
+    @property
+    def left(self) -> bool:
+        return self.posted < len(self.cuts) - 1
+
+    def post_next(self, agent: Agent) -> tuple[XferHandle | None, XferState, str]:
+        """Post the next slice: its handle (None if it could not be posted), its first
+        state, and why it could not be posted ("" if it was)."""
+        a, b = self.cuts[self.posted], self.cuts[self.posted + 1]
+        last = self.posted + 2 == len(self.cuts)
+        try:
+            handle, state = agent.write(self.local, self.plan.src_indices[a:b], self.remote,
+                                        self.plan.dst_indices[a:b], self.note if last else b"")
+        except TransferError as exc:
+            return None, XferState.ERR, str(exc)
+        self.posted += 1
+        return handle, state, ""
+
+
 @dataclass(slots=True, eq=False)
 class Write:
     """A posted WRITE, in one or more parts. Its blocks stay leased until every part's
@@ -80,6 +117,7 @@ class Write:
     # Layer-wise push: posted piece by piece as the request's layers become final; the
     # completion goes once all of it landed (``server/layerwise.py``).
     layered: LayerPost | None = None
+    sliced: SlicedPost | None = None  # from host memory, a slice per loop pass
 
     @property
     def waiting_for_layers(self) -> bool:
@@ -94,15 +132,18 @@ class PushPlan:
     digests: bytes  # verify mode: P's digests of the source blocks, else b""
     local: DListHandle  # the source descriptors: the worker's KV, or P's staging buffer
     descs: np.ndarray  # ... and their table (what digests are computed over)
+    cuts: tuple[int, ...] = ()  # more than two: posted in slices (``SlicedPost``)
 
 
 def plan_push(memory: RankMemory, remote: Layout, match: Match, target: pp.AgentInfo, peer_minor: int,
               part_bytes: int, verify: bool, slot_ids: list[list[int]] | None = None,
-              source: tuple[Layout, np.ndarray, DListHandle] | None = None, whole: bool = False) -> PushPlan:
+              source: tuple[Layout, np.ndarray, DListHandle] | None = None, whole: bool = False,
+              slice_bytes: int = 0) -> PushPlan:
     """What ``match`` WRITEs into ``target``: from the worker's blocks, or with ``slot_ids``
     from the staging slots its blocks were copied into; into a joint agent, from
     ``source`` (``RankMemory.joint_source``). ``whole``: in one part, whatever the
-    target (a layer-wise push). LayoutError if it cannot."""
+    target (a layer-wise push). A WRITE in one part from host memory goes in slices of
+    about ``slice_bytes`` (0: in one post). LayoutError if it cannot."""
     staging = memory.staging if slot_ids is not None else None
     if target.members > 1:  # a joint agent of D ranks: P's head slices, member by member
         if staging is not None:
@@ -123,7 +164,8 @@ def plan_push(memory: RankMemory, remote: Layout, match: Match, target: pp.Agent
     parts = parts_for(plan.nbytes, part_bytes, plan.region_count) if (
         target.parts and peer_minor >= pp.PARTS_MINOR and not whole) else 1
     digests = digest_memory(descs, plan.src_indices, memory.vram) if verify else b""
-    return PushPlan(plan, parts, digests, local, descs)
+    sliced = parts == 1 and not whole and memory.mem_type == "DRAM"
+    return PushPlan(plan, parts, digests, local, descs, slice_cuts(plan, slice_bytes) if sliced else ())
 
 
 def write_started(rank: Rank, reg: notif.PushReg, nbytes: int, digests: bytes) -> pp.WriteStarted:
@@ -160,6 +202,40 @@ def post_parts(agent: Agent, remote: DListHandle, remote_agent: str, push: PushP
         handles.append(handle)
         states.append(xstate)
     return handles, states, ""
+
+
+def post_write(agent: Agent, remote: DListHandle, remote_agent: str, push: PushPlan, rid: str,
+               tp_size: int) -> tuple[list[XferHandle], list[XferState], str, SlicedPost | None]:
+    """``post_parts``; for a WRITE in slices, its first slice and what posts the rest
+    (``next_slice``)."""
+    if len(push.cuts) <= 2:
+        return (*post_parts(agent, remote, remote_agent, push, rid, tp_size), None)
+    sliced = SlicedPost(push.plan, push.local, remote, push.cuts, notif.encode_completion(rid, tp_size))
+    handle, xstate, error = sliced.post_next(agent)
+    return ([handle], [xstate], "", sliced) if handle is not None else ([], [], error, sliced)
+
+
+def next_slice(agent: Agent, write: Write, now: float, post: bool, posts: Counter) -> bool:
+    """Every slice ``write`` posted so far settled: post the next one (with ``post``: from
+    the progress loop's poll, once per pass). True while the WRITE goes on: it is not
+    settled then. A failed post, or D's withdrawal, ends it with what was posted."""
+    sliced = write.sliced
+    if sliced is None or not sliced.left or write.failed is not None:
+        return False
+    if write.cancelled:
+        write.failed = ("cancelled", "D withdrew the registration before the whole WRITE was posted")
+        return False
+    if not post or sliced.fresh:
+        sliced.fresh = sliced.fresh and not post
+        return True
+    handle, _, error = sliced.post_next(agent)
+    if handle is None:
+        write.failed = ("write_submit_failed", error)
+        return False
+    write.handles.append(handle)
+    write.posted_at = now  # moving: the loop stays at its hot pace
+    posts.inc()
+    return True
 
 
 def release_settled(agent: Agent, write: Write, states: list[XferState]) -> bool:

@@ -297,6 +297,20 @@ def split_plan(plan: WritePlan, parts: int) -> list[WritePlan]:
     return out
 
 
+def slice_cuts(plan: WritePlan, max_bytes: int) -> tuple[int, ...]:
+    """Where to cut ``plan``'s pairs into runs of about ``max_bytes`` each (at most
+    ``max_bytes`` plus one pair; every run holds at least one pair): the pair indices
+    ``(0, ..., len)``. One run where ``max_bytes`` is 0 or the plan fits in it."""
+    n = len(plan.src_indices)
+    if max_bytes <= 0 or plan.nbytes <= max_bytes or n <= 1:
+        return (0, n)
+    counts = np.diff(plan.edges)
+    ends = np.cumsum(np.repeat(plan.region_bytes // np.maximum(counts, 1), counts))
+    # A run ends with the last pair that ends by the next multiple of max_bytes.
+    cuts = np.searchsorted(ends, np.arange(max_bytes, int(ends[-1]), max_bytes), side="right")
+    return tuple(int(c) for c in np.unique(np.concatenate(([0], cuts, [n]))))
+
+
 def part_regions(regions: int, parts: int, i: int) -> range:
     """The regions part ``i`` of ``parts`` of a WRITE carries."""
     return range(regions * i // parts, regions * (i + 1) // parts)

@@ -31,7 +31,7 @@ def _recv(dw, P, request_id, blocks):
             remote_host="127.0.0.1", remote_port=P.side_port)
 
 
-def _expected_d(mapping: dict[int, int], seed_p=1, seed_d=2):
+def _expected_d(mapping: dict[int, int], seed_p=1, seed_d=2, block_len=BLOCK_LEN):
     """Digests D must hold: P's block where mapped, D's own pattern everywhere else."""
     import hashlib
 
@@ -39,7 +39,7 @@ def _expected_d(mapping: dict[int, int], seed_p=1, seed_d=2):
     for r in range(2 * LAYERS):
         row = []
         for b in range(D_BLOCKS):
-            data = pattern(seed_p, r, mapping[b], BLOCK_LEN) if b in mapping else pattern(seed_d, r, b, BLOCK_LEN)
+            data = pattern(seed_p, r, mapping[b], block_len) if b in mapping else pattern(seed_d, r, b, block_len)
             row.append(hashlib.sha1(data).hexdigest())
         out.append(row)
     return out
@@ -95,6 +95,26 @@ def _check_timelines(P, D, rid_p, rid_d):
         logged = [json.loads(line) for line in daemon.log().splitlines() if '"request_timeline"' in line]
         assert [(e["request_id"], e["side"]) for e in logged] == [(rid, side)]
         assert daemon.metric("pushsvc_phase_seconds_count", side=side, phase="total") == 1
+
+
+def test_a_host_write_larger_than_a_slice_goes_in_slices_and_lands_exactly(spawn):
+    """P posts a host-memory WRITE a slice per loop pass (``post_slice_mib``); over real
+    NIXL the completion, which rides the last slice, reaches D once every slice landed."""
+    block_len = 64 << 10
+    P = spawn.daemon("prefill", "--post-slice-mib", "1", "--verify")
+    D = spawn.daemon("decode", "--verify")
+    pw = spawn.worker(P, "producer", layers=LAYERS, blocks=P_BLOCKS, block_len=block_len, seed=1)
+    dw = spawn.worker(D, "consumer", layers=LAYERS, blocks=D_BLOCKS, block_len=block_len, seed=2)
+    p_blocks, d_blocks = list(range(16)), list(range(39, 23, -1))
+    _recv(dw, P, "sliced-1", d_blocks)
+    time.sleep(0.3)
+    pw.call("ready", request_id="sliced-1", block_ids=[p_blocks])
+    assert dw.wait("sliced-1") == {"type": "RecvDone", "request_id": "sliced-1"}
+    assert pw.wait("sliced-1") == {"type": "SendDone", "request_id": "sliced-1"}
+    assert dw.digests() == _expected_d(dict(zip(d_blocks, p_blocks)), block_len=block_len)
+    assert P.metric("pushsvc_write_parts_total") == 6  # 16 blocks x 6 regions x 64 KiB: six slices of 1 MiB
+    assert D.metric("pushsvc_verify_total", result="identical") == 1
+    assert tables_empty(P, D)
 
 
 def test_prefix_hit_writes_only_the_tail(spawn):
