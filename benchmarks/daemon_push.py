@@ -107,8 +107,9 @@ class Pair:
             raise
         self.seq = 0
 
-    def push(self, blocks: int) -> tuple[float, float, float]:
-        """One push of ``blocks`` blocks: seconds until (both, P's SendDone, D's RecvDone)."""
+    def start(self, blocks: int) -> tuple[str, float]:
+        """Start a push of ``blocks`` blocks: D registers, then P's worker hands them over.
+        Its request id and the moment of the hand-over."""
         self.seq += 1
         rid = f"bench-{self.seq}"
         ids = list(range(blocks))
@@ -117,6 +118,11 @@ class Pair:
         time.sleep(0.005)  # the registration reaches P first, as when prefill takes longer
         t0 = time.perf_counter()
         self.pc.send(wp.SendReady(request_id=rid, block_ids=[ids]))
+        return rid, t0
+
+    def push(self, blocks: int) -> tuple[float, float, float]:
+        """One push of ``blocks`` blocks: seconds until (both, P's SendDone, D's RecvDone)."""
+        rid, t0 = self.start(blocks)
         p_done, d_done = _wait([self.pc, self.dc], rid)
         return max(p_done, d_done) - t0, p_done - t0, d_done - t0
 

@@ -5,7 +5,8 @@ Over TCP NIXL's post moves a WRITE's bytes before it returns, so a WRITE posted 
 P's loop for its whole length; posted in slices, for one slice at a time
 (docs/architecture.md, "UCX transports"). For each slice size a fresh daemon pair pushes
 ``--size`` bytes ``--repeats`` times (after one warm-up) while P's worker pings its daemon
-back to back (sleeping 0.2 ms between reads: not a third busy process on a small host).
+back to back (waiting in ``select()`` for each answer: not a third busy process on a small
+host).
 
     python benchmarks/loop_stall.py [--size 256M] [--slices 0,64,16] [--repeats 5]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import statistics
 import sys
 import time
@@ -24,21 +26,9 @@ import daemon_push  # noqa: E402
 from pushsvc.protocol import worker as wp  # noqa: E402
 
 
-def _wait(client, done: type) -> None:
-    while not any(isinstance(e, done) for e in client.poll()):
-        time.sleep(0.0002)
-
-
 def one_push(pair: daemon_push.Pair, size: int, block_len: int) -> tuple[float, list[float]]:
     """One push of ``size`` bytes: its seconds (worker to worker) and the ping round trips."""
-    pair.seq += 1
-    rid = f"stall-{pair.seq}"
-    ids = list(range(size // block_len))
-    pair.dc.send(wp.RegisterRecv(request_id=rid, local_block_ids=[ids], remote_engine_id="prefill",
-                                 remote_host="127.0.0.1", remote_port=pair.P.info["side_channel_port"]))
-    time.sleep(0.005)  # the registration reaches P first
-    t0 = time.perf_counter()
-    pair.pc.send(wp.SendReady(request_id=rid, block_ids=[ids]))
+    rid, t0 = pair.start(size // block_len)
     rtts: list[float] = []
     done = False
     while not done:
@@ -46,12 +36,12 @@ def one_push(pair: daemon_push.Pair, size: int, block_len: int) -> tuple[float, 
         pair.pc.send(wp.Ping(token=len(rtts)))
         pong = False
         while not pong:
-            time.sleep(0.0002)
+            select.select([pair.pc], [], [], 1.0)  # block like an engine between steps, not spin
             for e in pair.pc.poll():
                 pong = pong or (isinstance(e, wp.Pong) and e.token == len(rtts))
-                done = done or isinstance(e, (wp.SendDone, wp.SendFailed))
+                done = done or (isinstance(e, (wp.SendDone, wp.SendFailed)) and e.request_id == rid)
         rtts.append(time.perf_counter() - sent)
-    _wait(pair.dc, wp.RecvDone)
+    daemon_push._wait([pair.dc], rid)
     return time.perf_counter() - t0, rtts
 
 

@@ -25,6 +25,16 @@ from pushsvc.state.producer import Match
 log = structlog.get_logger("pushsvc.sender")
 
 
+def _try_write(agent: Agent, local: DListHandle, src: np.ndarray, remote: DListHandle, dst: np.ndarray,
+               note: bytes) -> tuple[XferHandle | None, XferState, str]:
+    """Post one WRITE: its handle and first state, or (None, ERR, why it could not be posted)."""
+    try:
+        handle, state = agent.write(local, src, remote, dst, note)
+    except TransferError as exc:
+        return None, XferState.ERR, str(exc)
+    return handle, state, ""
+
+
 @dataclass(eq=False)
 class LayerPost:
     """A matched layer-wise request's WRITE: planned whole, posted as its layers become
@@ -55,12 +65,10 @@ class LayerPost:
         runs = [slice(edges[r], edges[r + 1]) for r in ready.tolist()]
         src = np.concatenate([self.plan.src_indices[run] for run in runs])
         dst = np.concatenate([self.plan.dst_indices[run] for run in runs])
-        try:
-            handle, state = agent.write(self.local, src, self.remote, dst, b"")
-        except TransferError as exc:
-            return None, XferState.ERR, str(exc)
-        self.posted[ready] = True
-        return handle, state, ""
+        handle, state, error = _try_write(agent, self.local, src, self.remote, dst, b"")
+        if handle is not None:
+            self.posted[ready] = True
+        return handle, state, error
 
 
 @dataclass(eq=False)
@@ -89,13 +97,11 @@ class SlicedPost:
         state, and why it could not be posted ("" if it was)."""
         a, b = self.cuts[self.posted], self.cuts[self.posted + 1]
         last = self.posted + 2 == len(self.cuts)
-        try:
-            handle, state = agent.write(self.local, self.plan.src_indices[a:b], self.remote,
-                                        self.plan.dst_indices[a:b], self.note if last else b"")
-        except TransferError as exc:
-            return None, XferState.ERR, str(exc)
-        self.posted += 1
-        return handle, state, ""
+        handle, state, error = _try_write(agent, self.local, self.plan.src_indices[a:b], self.remote,
+                                          self.plan.dst_indices[a:b], self.note if last else b"")
+        if handle is not None:
+            self.posted += 1
+        return handle, state, error
 
 
 @dataclass(slots=True, eq=False)
@@ -225,8 +231,10 @@ def next_slice(agent: Agent, write: Write, now: float, post: bool, posts: Counte
     if write.cancelled:
         write.failed = ("cancelled", "D withdrew the registration before the whole WRITE was posted")
         return False
-    if not post or sliced.fresh:
-        sliced.fresh = sliced.fresh and not post
+    if not post:
+        return True
+    if sliced.fresh:  # the pass that posted the first slice
+        sliced.fresh = False
         return True
     handle, _, error = sliced.post_next(agent)
     if handle is None:
