@@ -167,6 +167,8 @@ def test_env_bool_words(raw: str, expected: bool) -> None:
         ({"heartbeat_interval_s": 5.0, "peer_timeout_s": 5.0}, "heartbeat_interval_s"),
         ({"heartbeat_interval_s": 6.0}, "heartbeat_interval_s"),
         ({"health_port": "80"}, "health_port"),
+        ({"post_slice_mib": -1}, "post_slice_mib"),
+        ({"post_slice_mib": (1 << 20) + 1}, "post_slice_mib"),
         ({"no_such_field": 1}, "no_such_field"),
     ],
 )
