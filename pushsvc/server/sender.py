@@ -15,6 +15,7 @@ announced. P never writes for, nor dials, a registration it could not check.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -205,11 +206,17 @@ class Sender:
             self._outbox.tell(rank, wp.SendFailed(request_id=staged.request_id, reason=reason))
 
     def peer_up(self, peer: Peer) -> None:
-        """A new session with ``peer``. Unverified registrations claiming its engine came
-        before it (a real one is announced within its own session): this session's
-        announcements cannot vouch for them. The end of a session drops them too."""
+        """A new session with ``peer``. Unverified registrations claiming its engine that
+        came before the session opened cannot be vouched for by its announcements (a real
+        one is announced within its own session): dropped. Those that came while it was
+        being set up stay, for the hello adopted next to confirm: D sends its first
+        PUSH_REG as soon as its side of the handshake is done, which may be before ours.
+        The end of a session drops them all (``peer_down``)."""
+        self._drop_unverified(peer, min((s.opened_at for s in peer.sessions), default=math.inf))
+
+    def _drop_unverified(self, peer: Peer, before: float) -> None:
         for state in self._ranks.values():
-            for registration in state.table.drop_unverified(peer.engine_id):
+            for registration in state.table.drop_unverified(peer.engine_id, before):
                 log.info("registration_dropped", request_id=registration.request_id, peer=registration.sender,
                          reason="unverified when the session changed")
 
@@ -512,7 +519,7 @@ class Sender:
         WRITEs still target (they stay loaded until those settle)."""
         names = set(peer.agents)
         busy: set[str] = set()
-        self.peer_up(peer)  # its unverified registrations go as well
+        self._drop_unverified(peer, math.inf)  # its unverified registrations go as well
         for rank, state in self._ranks.items():
             for registration in state.table.drop_registrations_from(names):
                 self._metrics.failures.labels("peer_lost").inc()

@@ -31,6 +31,8 @@ class Session:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, dialed: bool,
                  frames: CountingDecoder, max_buffered: int) -> None:
         self.id = next(self._ids)
+        # When the connection was made (the loop's clock), before its handshake began.
+        self.opened_at = asyncio.get_running_loop().time()
         self.reader = reader
         self.writer = writer
         self.dialed = dialed

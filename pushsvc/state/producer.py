@@ -38,6 +38,7 @@ oldest dropped).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -294,10 +295,12 @@ class ProducerTable:
         registration.expires_at = registration.registered_at + self.registration_ttl_s
         return self._place_registration(registration, now)
 
-    def drop_unverified(self, owner: str) -> list[Registration]:
-        """Forget the unverified registrations that claim ``owner``: only an announcement
-        within the session they arrived in may confirm them, and that session ended."""
-        gone = [r for r in self.registrations.values() if not r.verified and r.reg.decode_engine_id == owner]
+    def drop_unverified(self, owner: str, before: float = math.inf) -> list[Registration]:
+        """Forget the unverified registrations that claim ``owner`` and arrived before
+        ``before``: only an announcement within the session they arrived in may confirm
+        them, and that session ended (or they came before the one that opened then)."""
+        gone = [r for r in self.registrations.values()
+                if not r.verified and r.reg.decode_engine_id == owner and r.registered_at < before]
         for r in gone:
             self._pop_registration(r.key)
         return gone

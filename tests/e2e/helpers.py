@@ -190,8 +190,11 @@ class E2EStack(Stack):
         return super()._spawn(name, argv, env, on=on)
 
     def logs(self, n: int = 30) -> str:
-        """The last ``n`` lines of every process's log, for a failure message."""
-        return "\n".join(f"--- {p.name} ({p.log})\n{p.tail(n)}" for p in self.procs)
+        """The last ``n`` lines of every process's log, for a failure message, then every
+        process's warnings and errors (the last ``WARNINGS_KEPT`` of each): the cause of a
+        failure is usually one of those, long before the tail."""
+        tails = "\n".join(f"--- {p.name} ({p.log})\n{p.tail(n)}" for p in self.procs)
+        return f"{tails}\n=== warnings and errors, by process\n{warnings(self.procs)}"
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,26 @@ class PD:
 
     def logs(self, n: int = 30) -> str:
         return self.stack.logs(n)
+
+
+WARNINGS_KEPT = 15
+# structlog's JSON warnings and errors; of vLLM's lines only its errors (its start-up warnings are many)
+_WARNING_MARKS = ('"level": "warning"', '"level": "error"', '"level": "critical"', " ERROR ", "Traceback")
+
+
+def warnings(procs: Iterable[Proc], kept: int = WARNINGS_KEPT, width: int = 400) -> str:
+    """Each process's last ``kept`` warning and error lines, each cut to ``width`` characters."""
+    out = []
+    for p in procs:
+        try:
+            lines = p.log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        marked = [line[:width] for line in lines if any(m in line for m in _WARNING_MARKS)]
+        if marked:
+            out.append(f"--- {p.name}: {len(marked)} warning/error lines, the last {min(kept, len(marked))}")
+            out.extend(marked[-kept:])
+    return "\n".join(out) or "(none)"
 
 
 # ---------------------------------------------------------------------------- HTTP

@@ -162,6 +162,13 @@ def test_drop_unverified_forgets_only_the_unverified_registrations_of_that_owner
     assert repr(producer).endswith("unverified=1 tombstones=0>")
 
 
+def test_drop_unverified_before_a_time_keeps_those_that_came_later(producer, push_reg) -> None:
+    producer.add_registration(push_reg("cmpl-a-0-deadbeef"), "x", now=1.0, verified=False)
+    producer.add_registration(push_reg("cmpl-b-0-deadbeef"), "x", now=2.0, verified=False)
+    assert [r.key for r in producer.drop_unverified(OWNER, before=2.0)] == [(OWNER, "cmpl-a-0-deadbeef")]
+    assert set(producer.registrations) == {(OWNER, "cmpl-b-0-deadbeef")}
+
+
 # ---------------------------------------------------------------- counterpart
 
 

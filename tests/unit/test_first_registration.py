@@ -1,0 +1,86 @@
+"""D's first PUSH_REG to a P it just dialed, raced against P's side of the handshake.
+
+D's handshake ends when P's hello arrives; P's ends when D's arrives. D sends its
+PUSH_REG (a NIXL notification, not the side channel) at once, so P may read it before
+it adopted D's session: from an agent P has not heard of yet, kept unverified. The hello
+that P then reads announces that agent, and the registration is written. Registrations
+that came before the session opened are still dropped when it does: only its own
+announcements may vouch for a registration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from daemon_fixtures import WAIT_S, expected_after_push, metric, push_pair, wait_until
+
+from pushsvc.protocol import worker as wp
+from pushsvc.server.peers import PeerLink
+
+pytestmark = pytest.mark.asyncio
+
+RID = "cmpl-first-0-1a2b3c4d"
+
+
+def _hold_accepts_until(link: PeerLink, monkeypatch: pytest.MonkeyPatch, release: asyncio.Event) -> None:
+    """P's side of every handshake it accepts finishes only once ``release`` is set."""
+    introduce = link._introduce
+
+    async def held(session: Any, expect_engine: str = "") -> Any:
+        intro = await introduce(session, expect_engine)
+        if not session.dialed:
+            await release.wait()
+        return intro
+
+    monkeypatch.setattr(link, "_introduce", held)
+
+
+@pytest.mark.parametrize("authenticated", [False, True], ids=["open", "secret"])
+async def test_a_push_reg_read_before_p_adopted_the_session_is_written(
+        monkeypatch: pytest.MonkeyPatch, authenticated: bool) -> None:
+    async with push_pair(authenticated=authenticated) as pair:
+        release = asyncio.Event()
+        _hold_accepts_until(pair.p.service.peers, monkeypatch, release)
+        pair.send_ready(RID, [1, 2])
+        pair.register_recv(RID, [5, 6])
+        # D is done with its side and sent the PUSH_REG; P read it from an unknown agent.
+        await wait_until(lambda: metric(pair.p, "pushsvc_notifications_total", kind="push_reg_unverified") == 1,
+                         "P to read D's PUSH_REG before it adopted D's session")
+        assert pair.p.info()["peers"] == []
+        release.set()
+        done = await pair.dw.wait_for(wp.RecvDone, RID, WAIT_S)
+        assert done.request_id == RID
+        await pair.pw.wait_for(wp.SendDone, RID, WAIT_S)
+        assert np.array_equal(pair.dw.snapshot(), expected_after_push(pair.pw, pair.dw, [1, 2], [5, 6]))
+
+
+async def test_a_push_reg_from_before_the_session_opened_is_not_vouched_for_by_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unverified registration older than the session (it claims D's engine from an
+    agent D announces) is dropped when the session opens, not written."""
+    async with push_pair() as pair:
+        sender = pair.p.service.sender
+        reg = _push_reg(pair, "cmpl-old-0-1a2b3c4d", [5, 6])
+        sender.on_push_reg(pair.p.service.ranks.current[0], pair.d_agent, reg)  # before any session
+        assert metric(pair.p, "pushsvc_notifications_total", kind="push_reg_unverified") == 1
+        await asyncio.sleep(0.01)  # the session below opens strictly later
+        pair.send_ready("cmpl-old-0-1a2b3c4d", [1, 2])
+        pair.register_recv("cmpl-new-0-1a2b3c4d", [7, 8])  # makes D dial P
+        await wait_until(lambda: pair.p.info()["peers"] != [], "D's session with P")
+        await wait_until(lambda: pair.p.info()["tables"]["p_registrations"] == 1, "the new PUSH_REG at P")
+        assert pair.p.info()["tables"]["p_staged"] == 1, "the old registration did not pair with P's blocks"
+        assert metric(pair.p, "pushsvc_transfers_total", result="done") == 0
+
+
+def _push_reg(pair: Any, request_id: str, block_ids: list[int]) -> bytes:
+    from pushsvc.protocol import notif
+
+    d = pair.d
+    return notif.encode_push_reg(notif.PushReg(
+        request_id=request_id, decode_engine_id=d.config.engine_id, decode_host="127.0.0.1",
+        decode_port=d.service.peers.port, decode_tp_size=1, local_block_ids=[block_ids],
+        remote_engine_id=pair.p.config.engine_id, remote_host="127.0.0.1", remote_port=pair.p.service.peers.port,
+        remote_tp_size=1, decode_rank=0, decode_daemon_id=d.service.daemon_id))
