@@ -430,8 +430,9 @@ class Sender:
         self.staging.release(rank, write.staged)  # every part settled: nothing reads the slots
         seconds = time.perf_counter() - write.started
         self._timelines.mark(rank, SEND, rid, "write_settled")
+        sliced = {"slices": f"{write.sliced.posted}/{len(write.sliced.cuts) - 1}"} if write.sliced else {}
         log.debug("write_settled", request_id=rid, state="ERR" if write.failed else "DONE",
-                  error=write.failed and ": ".join(write.failed), seconds=round(seconds, 6))
+                  error=write.failed and ": ".join(write.failed), seconds=round(seconds, 6), **sliced)
         if write.failed is None:
             state.table.finish(rid, self._now())
             self._metrics.transfers.labels("done").inc()

@@ -134,16 +134,21 @@ def _strike(P, proc, sig: int, min_done: int = 15, catch_s: float = 2.0, latest_
     return t
 
 
-def _register_held(P, dw, n: int = 3, prefix: str = "held") -> list[str]:
-    """D registrations P holds without blocks yet (D blocks 60..): P gets its blocks
-    for them only when the test says so."""
+def _register_held(P, dw, n: int = 3, prefix: str = "held", blocks: int = 1) -> list[str]:
+    """D registrations P holds without blocks yet (``blocks`` each, from D block 63 down):
+    P gets its blocks for them only when the test says so."""
     ids = [f"{prefix}{i}" for i in range(n)]
     before = P.live_info()["tables"]["p_registrations"]
     for i, rid in enumerate(ids):
-        dw.call("recv", request_id=rid, block_ids=[[60 + i]], remote_engine_id=P.engine_id,
+        dw.call("recv", request_id=rid, block_ids=[_held_blocks(i, blocks)], remote_engine_id=P.engine_id,
                 remote_host="127.0.0.1", remote_port=P.side_port)
     _wait_until(lambda: P.live_info()["tables"]["p_registrations"] == before + n, 10, "P holds D's registrations")
     return ids
+
+
+def _held_blocks(i: int, blocks: int) -> list[int]:
+    assert D_BLOCKS - (i + 1) * blocks >= STREAM_D_BLOCKS
+    return list(range(D_BLOCKS - (i + 1) * blocks, D_BLOCKS - i * blocks))
 
 
 def _log_events(daemon) -> list[dict]:
@@ -162,13 +167,16 @@ def _ts(event: dict) -> float:
 
 
 def _writes(P) -> dict[str, dict]:
-    """rid -> {posted, settled, state} from P's debug log (the last WRITE of each id)."""
+    """rid -> {posted, settled, state[, slices]} from P's debug log (the last WRITE of each
+    id; ``slices``: "posted/all" for a WRITE posted in slices)."""
     out: dict[str, dict] = {}
     for e in _log_events(P):
         if e.get("event") == "write_posted":
             out[e["request_id"]] = {"posted": _ts(e)}
         elif e.get("event") == "write_settled" and e["request_id"] in out:
             out[e["request_id"]].update(settled=_ts(e), state=e["state"])
+            if "slices" in e:
+                out[e["request_id"]]["slices"] = e["slices"]
     return out
 
 
@@ -208,20 +216,26 @@ def _figure(name: str, **values) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how, ucx_mode", [("running", "peer"), ("stopped_then_killed", "peer"), ("running", "none")])
-def test_kill_d_daemon_mid_stream(spawn, base_dir, how, ucx_mode):
+@pytest.mark.parametrize("how, ucx_mode, slice_mib", [("running", "peer", 0), ("stopped_then_killed", "peer", 0),
+                                                      ("running", "none", 0), ("stopped_then_killed", "peer", 1)])
+def test_kill_d_daemon_mid_stream(spawn, base_dir, how, ucx_mode, slice_mib):
     """kill -9 D's daemon during a stream of 120 pushes of 4 MiB each. ``stopped_then_killed``
     first stops D, then lets P WRITE three registrations it held: those WRITEs cannot
     finish, so the kill certainly meets WRITEs in flight. With ``ucx_error_handling_mode =
     "none"`` a WRITE on one host goes through cma (the kernel copies into D's memory, a
-    stopped D too), so only the running case applies there."""
+    stopped D too), so only the running case applies there. With ``slice_mib`` P posts
+    each push in 1 MiB slices, the next once the one before settled, and the held
+    registrations take 2 MiB each: their first slice meets the stopped D and stays in
+    flight, so the kill meets them part-way, and their second slice is never posted."""
     mode = ("--ucx-error-handling-mode", ucx_mode)
-    P = spawn.daemon("prefill", "--log-level", "debug", "--lease-s", "4", *mode)
+    slicing = ("--post-slice-mib", str(slice_mib)) if slice_mib else ()
+    P = spawn.daemon("prefill", "--log-level", "debug", "--lease-s", "4", *mode, *slicing)
     D = spawn.daemon("decode", *mode)
     pw, dw = _workers(spawn, P, D)
     assert [e["type"] for e in _push(P, pw, dw, "warm", [0], [0])] == ["RecvDone", "SendDone"]
 
-    held = _register_held(P, dw)
+    per_held = 2 if slice_mib else 1
+    held = _register_held(P, dw, blocks=per_held)
     ids, thread = _start_stream(P, pw, dw, "s")
     if how == "running":
         t_kill = _strike(P, D.proc, signal.SIGKILL)
@@ -229,7 +243,8 @@ def test_kill_d_daemon_mid_stream(spawn, base_dir, how, ucx_mode):
         _strike(P, D.proc, signal.SIGSTOP, catch_s=0)
         # P's blocks for the held registrations: these WRITEs meet a target that makes
         # no progress, so they are certainly in flight when the kill lands.
-        pw.call("ready_many", requests=[[rid, [[30 + i]]] for i, rid in enumerate(held)])
+        pw.call("ready_many", requests=[[rid, [[30 + per_held * i + k for k in range(per_held)]]]
+                                        for i, rid in enumerate(held)])
         _wait_until(lambda: P.metric("pushsvc_inflight_writes") >= len(held), 10, "WRITEs to the stopped D")
         stuck = P.metric("pushsvc_inflight_writes")
         time.sleep(1.0)
@@ -254,11 +269,15 @@ def test_kill_d_daemon_mid_stream(spawn, base_dir, how, ucx_mode):
     assert "SendDone" in types and "SendFailed" in types, "the kill did not land mid-stream"
     if how == "stopped_then_killed":
         assert set(held) <= set(in_flight_at_kill), (held, in_flight_at_kill)
+    if slice_mib:  # every push went in slices: the held ones stopped after their first
+        done = [rid for rid in ids if writes.get(rid, {}).get("state") == "DONE"]
+        assert done and all(writes[rid]["slices"] == "4/4" for rid in done), [writes[r] for r in done]
+        assert all(writes[rid]["slices"] == "1/2" for rid in held), [writes[r] for r in held]
         assert all(collected["events"][rid][0]["type"] == "SendFailed" for rid in held)
     # P forgets D: tables, leases, WRITE handles and D's agent (its prepped list too).
     _wait_until(lambda: _p_clean(P, remote_agents=0), 30, "P back to zero")
     assert not P.live_info()["peers"]
-    _figure(f"kill_d_daemon[{how}, {ucx_mode}]", pushes=len(ids), done=types.count("SendDone"),
+    _figure(f"kill_d_daemon[{how}, {ucx_mode}{', slices of %d MiB' % slice_mib if slice_mib else ''}]", pushes=len(ids), done=types.count("SendDone"),
             failed=types.count("SendFailed"), writes_in_flight_at_kill=len(in_flight_at_kill),
             kill_to_last_settle_s=round(last_settle - t_kill, 4),
             kill_to_zero_xfers_polled_s=round(zero_s, 3),
