@@ -62,7 +62,7 @@ def daemon_config(runtime_dir: str, engine_id: str, **overrides: Any) -> Config:
 
 
 @contextlib.asynccontextmanager
-async def running_daemon(engine: FakeEngine, engine_id: str, *, devmem: Any = None, notifier: Any = None,
+async def running_daemon(engine: Any, engine_id: str, *, devmem: Any = None, notifier: Any = None,
                          **overrides: Any) -> AsyncIterator[Daemon]:
     """A started daemon with its runtime dir under a short /tmp path; shut down on exit.
     ``devmem``: the device memory it gets (``devmem.fake``), none by default; ``notifier``:
@@ -286,24 +286,29 @@ def secret_file() -> Iterator[str]:
 @contextlib.asynccontextmanager
 async def push_pair(*, p_blocks: int = 8, d_blocks: int = 16, p_block_len: int = BLOCK_LEN,
                     d_block_len: int = BLOCK_LEN, p_config: dict[str, Any] | None = None,
-                    d_config: dict[str, Any] | None = None, authenticated: bool = False) -> AsyncIterator[PushPair]:
+                    d_config: dict[str, Any] | None = None, authenticated: bool = False,
+                    engines: tuple[Any, Any] | None = None) -> AsyncIterator[PushPair]:
     """Two daemons (P and D) sharing one fake engine, each with one registered worker;
-    with ``authenticated``, their side channel shares a secret."""
+    with ``authenticated``, their side channel shares a secret; with ``engines``, P and D
+    run on these instead (real NIXL: ``pushsvc.engine.nixl.NixlEngine``; ``fake`` is then
+    a fake nobody uses)."""
     fake = FakeEngine()
     with contextlib.ExitStack() as stack:
         if authenticated:
             secret = stack.enter_context(secret_file())
             p_config = {"side_channel_secret_file": secret, **(p_config or {})}
             d_config = {"side_channel_secret_file": secret, **(d_config or {})}
-        async with _pair(fake, p_blocks, d_blocks, p_block_len, d_block_len, p_config, d_config) as pair:
+        async with _pair(fake, p_blocks, d_blocks, p_block_len, d_block_len, p_config, d_config,
+                         engines or (fake, fake)) as pair:
             yield pair
 
 
 @contextlib.asynccontextmanager
 async def _pair(fake: FakeEngine, p_blocks: int, d_blocks: int, p_block_len: int, d_block_len: int,
-                p_config: dict[str, Any] | None, d_config: dict[str, Any] | None) -> AsyncIterator[PushPair]:
-    async with running_daemon(fake, P_ENGINE, **(p_config or {})) as p, \
-            running_daemon(fake, D_ENGINE, **(d_config or {})) as d:
+                p_config: dict[str, Any] | None, d_config: dict[str, Any] | None,
+                engines: tuple[Any, Any]) -> AsyncIterator[PushPair]:
+    async with running_daemon(engines[0], P_ENGINE, **(p_config or {})) as p, \
+            running_daemon(engines[1], D_ENGINE, **(d_config or {})) as d:
         pw, dw = Worker(p, "producer"), Worker(d, "consumer")
         try:
             await pw.start(p_blocks, p_block_len, seed=1)

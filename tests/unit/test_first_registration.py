@@ -6,6 +6,9 @@ it adopted D's session: from an agent P has not heard of yet, kept unverified. T
 that P then reads announces that agent, and the registration is written. Registrations
 that came before the session opened are still dropped when it does: only its own
 announcements may vouch for a registration.
+
+The daemons run in-process, over the fake engine and over real NIXL (an engine each):
+P's side of the handshake is held until P read the PUSH_REG, which makes the race certain.
 """
 
 from __future__ import annotations
@@ -38,10 +41,20 @@ def _hold_accepts_until(link: PeerLink, monkeypatch: pytest.MonkeyPatch, release
     monkeypatch.setattr(link, "_introduce", held)
 
 
+def _engines(kind: str) -> tuple[Any, Any] | None:
+    """The fake engine (None: the pair's default), or real NIXL, an engine per daemon."""
+    if kind == "fake":
+        return None
+    from pushsvc.engine.nixl import NixlEngine
+
+    return NixlEngine(["UCX"]), NixlEngine(["UCX"])
+
+
+@pytest.mark.parametrize("engine", ["fake", pytest.param("nixl", marks=pytest.mark.nixl)])
 @pytest.mark.parametrize("authenticated", [False, True], ids=["open", "secret"])
 async def test_a_push_reg_read_before_p_adopted_the_session_is_written(
-        monkeypatch: pytest.MonkeyPatch, authenticated: bool) -> None:
-    async with push_pair(authenticated=authenticated) as pair:
+        monkeypatch: pytest.MonkeyPatch, authenticated: bool, engine: str) -> None:
+    async with push_pair(authenticated=authenticated, engines=_engines(engine)) as pair:
         release = asyncio.Event()
         _hold_accepts_until(pair.p.service.peers, monkeypatch, release)
         pair.send_ready(RID, [1, 2])
