@@ -206,12 +206,10 @@ class Sender:
             self._outbox.tell(rank, wp.SendFailed(request_id=staged.request_id, reason=reason))
 
     def peer_up(self, peer: Peer) -> None:
-        """A new session with ``peer``. Unverified registrations claiming its engine that
-        came before the session opened cannot be vouched for by its announcements (a real
-        one is announced within its own session): dropped. Those that came while it was
-        being set up stay, for the hello adopted next to confirm: D sends its first
-        PUSH_REG as soon as its side of the handshake is done, which may be before ours.
-        The end of a session drops them all (``peer_down``)."""
+        """A new session with ``peer``: unverified registrations claiming its engine that came
+        before it opened are dropped (only its own announcements vouch). Those that came
+        during its handshake wait for its hello: D sends its first PUSH_REG once its own
+        side of the handshake is done, which may be before ours. ``peer_down`` drops all."""
         self._drop_unverified(peer, min((s.opened_at for s in peer.sessions), default=math.inf))
 
     def _drop_unverified(self, peer: Peer, before: float) -> None:
@@ -430,9 +428,9 @@ class Sender:
         self.staging.release(rank, write.staged)  # every part settled: nothing reads the slots
         seconds = time.perf_counter() - write.started
         self._timelines.mark(rank, SEND, rid, "write_settled")
-        sliced = {"slices": f"{write.sliced.posted}/{len(write.sliced.cuts) - 1}"} if write.sliced else {}
         log.debug("write_settled", request_id=rid, state="ERR" if write.failed else "DONE",
-                  error=write.failed and ": ".join(write.failed), seconds=round(seconds, 6), **sliced)
+                  error=write.failed and ": ".join(write.failed), seconds=round(seconds, 6),
+                  **({"slices": write.sliced.progress} if write.sliced else {}))
         if write.failed is None:
             state.table.finish(rid, self._now())
             self._metrics.transfers.labels("done").inc()

@@ -92,6 +92,11 @@ class SlicedPost:
     def left(self) -> bool:
         return self.posted < len(self.cuts) - 1
 
+    @property
+    def progress(self) -> str:
+        """Slices posted of all, as "posted/all" (for the log)."""
+        return f"{self.posted}/{len(self.cuts) - 1}"
+
     def post_next(self, agent: Agent) -> tuple[XferHandle | None, XferState, str]:
         """Post the next slice: its handle (None if it could not be posted), its first
         state, and why it could not be posted ("" if it was)."""

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from daemon_fixtures import WAIT_S, expected_after_push, metric, push_pair, wait_until
+from daemon_fixtures import D_ENGINE, P_ENGINE, WAIT_S, expected_after_push, metric, push_pair, wait_until
 
+from pushsvc.protocol import notif
 from pushsvc.protocol import worker as wp
 from pushsvc.server.peers import PeerLink
 
@@ -70,13 +71,13 @@ async def test_a_push_reg_read_before_p_adopted_the_session_is_written(
         assert np.array_equal(pair.dw.snapshot(), expected_after_push(pair.pw, pair.dw, [1, 2], [5, 6]))
 
 
-async def test_a_push_reg_from_before_the_session_opened_is_not_vouched_for_by_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_push_reg_from_before_the_session_opened_is_not_vouched_for_by_it(push_reg: Any) -> None:
     """An unverified registration older than the session (it claims D's engine from an
     agent D announces) is dropped when the session opens, not written."""
     async with push_pair() as pair:
         sender = pair.p.service.sender
-        reg = _push_reg(pair, "cmpl-old-0-1a2b3c4d", [5, 6])
+        reg = notif.encode_push_reg(push_reg("cmpl-old-0-1a2b3c4d", decode_engine_id=D_ENGINE,
+                                             local_block_ids=[[5, 6]], remote_engine_id=P_ENGINE))
         sender.on_push_reg(pair.p.service.ranks.current[0], pair.d_agent, reg)  # before any session
         assert metric(pair.p, "pushsvc_notifications_total", kind="push_reg_unverified") == 1
         await asyncio.sleep(0.01)  # the session below opens strictly later
@@ -86,14 +87,3 @@ async def test_a_push_reg_from_before_the_session_opened_is_not_vouched_for_by_i
         await wait_until(lambda: pair.p.info()["tables"]["p_registrations"] == 1, "the new PUSH_REG at P")
         assert pair.p.info()["tables"]["p_staged"] == 1, "the old registration did not pair with P's blocks"
         assert metric(pair.p, "pushsvc_transfers_total", result="done") == 0
-
-
-def _push_reg(pair: Any, request_id: str, block_ids: list[int]) -> bytes:
-    from pushsvc.protocol import notif
-
-    d = pair.d
-    return notif.encode_push_reg(notif.PushReg(
-        request_id=request_id, decode_engine_id=d.config.engine_id, decode_host="127.0.0.1",
-        decode_port=d.service.peers.port, decode_tp_size=1, local_block_ids=[block_ids],
-        remote_engine_id=pair.p.config.engine_id, remote_host="127.0.0.1", remote_port=pair.p.service.peers.port,
-        remote_tp_size=1, decode_rank=0, decode_daemon_id=d.service.daemon_id))
