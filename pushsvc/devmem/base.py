@@ -55,6 +55,22 @@ class Copier(Protocol):
         """Give its memory back (no copy of it may be in flight)."""
 
 
+class PairCopier(Protocol):
+    """P's copies from its rank's KV into one same-host D's KV, both mapped here
+    (``CopyPlan.build_pairs``)."""
+
+    plan: CopyPlan
+    nbytes: int  # device memory it holds (its copy table)
+
+    def launch(self, group: int, src: np.ndarray, dst: np.ndarray) -> CopyJob:
+        """Copy source block ``src[i]`` to destination block ``dst[i]`` in every entry of
+        ``group``, on the device's copy stream. Returns at once; ``DeviceError`` for pairs
+        ``check_pair_ids`` refuses."""
+
+    def close(self) -> None:
+        """Give its memory back (no copy of it may be in flight)."""
+
+
 class DeviceEvent(Protocol):
     """Another process's interprocess event, opened here (layer-wise push: a worker
     records it after a layer's kernels)."""
@@ -79,6 +95,8 @@ class Device(Protocol):
         """Allocate plain device memory owned by this process (a WRITE destination)."""
 
     def copier(self, plan: CopyPlan) -> Copier: ...
+
+    def pair_copier(self, plan: CopyPlan) -> PairCopier: ...
 
     def read(self, address: int, nbytes: int) -> bytes:
         """``nbytes`` of device memory from ``address``, on the host (blocks until copied)."""

@@ -10,6 +10,7 @@ never waits behind the engine's work or ours).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 
 import numpy as np
@@ -18,10 +19,13 @@ import structlog
 from pushsvc.devmem import kernel
 from pushsvc.devmem.driver import Driver, format_uuid
 from pushsvc.errors import DeviceError
-from pushsvc.state.landing import COPY_FIELDS, CopyPlan, SlotRun, check_launch, check_pairs
+from pushsvc.state.landing import COPY_FIELDS, CopyPlan, SlotRun, check_launch, check_pair_ids, check_pairs
 
 log = structlog.get_logger("pushsvc.devmem")
 
+# Pair-list entries (int64) in each pair copier's ring: a request of up to this many blocks
+# per KV group uploads its pairs without an allocation (512 KiB of device and host memory).
+_PAIR_RING = 1 << 16
 # Copy events kept for reuse per device (creating and destroying one per launch cost
 # 56 us of a cold daemon's loop on the H200 host).
 _EVENT_POOL = 64
@@ -144,24 +148,111 @@ class _Copier:
             raise DeviceError(f"copy refused: {why}")
         if not run.count or not count:
             return _Nothing()
-        device, driver = self._device, self._device.driver
+        device = self._device
         device.current()
         chunks = -(-self.plan.max_bytes(first, count) // kernel.CHUNK)
-        params = (ctypes.c_uint64(self._memory.address), ctypes.c_uint64(self._group_map(run.group)),
-                  ctypes.c_uint64(run.first), ctypes.c_uint32(first), ctypes.c_uint64(kernel.CHUNK),
-                  ctypes.c_uint32(int(self.plan.gather)))
-        args = (ctypes.c_void_p * len(params))(*(ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in params))
-        driver.launch(self._fn, (run.count, count, chunks), kernel.THREADS, device.stream, args)
-        event = device.pooled_event()
-        try:
-            driver.event_record(event, device.stream)
-        except DeviceError:
-            driver.event_destroy(event)
-            raise
-        return _Copy(device, event)
+        return _run(device, self._fn, self._memory.address, self._group_map(run.group), run.first, first,
+                    (run.count, count, chunks), self.plan.mode)
 
     def _group_map(self, group: int) -> int:
         return self._memory.address + self._map_offset + group * self.plan.slots * 8
+
+    def close(self) -> None:
+        if self._host:
+            host, self._host = self._host, 0
+            self._mirror = np.empty(0, dtype=np.int64)
+            self._device.current()
+            self._device.driver.host_free(host)
+        self._memory.close()
+
+
+def _run(device: CudaDevice, fn: int, table: int, pairs: int, slot_base: int, first: int,
+         grid: tuple[int, int, int], mode: int) -> _Copy:
+    """Launch the copy kernel on the device's copy stream and record a pooled event behind it."""
+    params = (ctypes.c_uint64(table), ctypes.c_uint64(pairs), ctypes.c_uint64(slot_base), ctypes.c_uint32(first),
+              ctypes.c_uint64(kernel.CHUNK), ctypes.c_uint32(mode))
+    args = (ctypes.c_void_p * len(params))(*(ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in params))
+    device.driver.launch(fn, grid, kernel.THREADS, device.stream, args)
+    return _record(device)
+
+
+def _record(device: CudaDevice) -> _Copy:
+    """A pooled event recorded behind the work queued on the device's copy stream."""
+    driver = device.driver
+    event = device.pooled_event()
+    try:
+        driver.event_record(event, device.stream)
+    except DeviceError:
+        driver.event_destroy(event)
+        raise
+    return _Copy(device, event)
+
+
+class _PairCopier:
+    """P's copy table into one same-host D's KV on the device, and a ring of pair lists:
+    each launch's pairs go into page-locked host memory and up to the device on the copy
+    stream (asynchronous), the kernel reading them there. A range of the ring is written
+    again only once the launch that read it finished; a launch that finds no free range
+    takes a pool allocation instead, freed in stream order."""
+
+    def __init__(self, device: CudaDevice, plan: CopyPlan) -> None:
+        self.plan = plan
+        self._device = device
+        self._fn = device.functions[plan.width]
+        table = np.ascontiguousarray(plan.table, dtype=np.int64)
+        self.nbytes = table.nbytes + _PAIR_RING * 8
+        self._inflight: collections.deque[tuple[int, int, _Copy]] = collections.deque()
+        self._head = 0
+        self._host = 0
+        self._memory = device.allocate(self.nbytes)
+        try:
+            self._host = device.driver.host_alloc(_PAIR_RING * 8)
+            self._mirror = np.frombuffer((ctypes.c_int64 * _PAIR_RING).from_address(self._host), dtype=np.int64)
+            device.driver.upload(self._memory.address, table.ctypes.data, table.nbytes)
+        except DeviceError:
+            self.close()
+            raise
+        self._ring = self._memory.address + table.nbytes
+
+    def launch(self, group: int, src: np.ndarray, dst: np.ndarray) -> _Copy | _Nothing:
+        src = np.asarray(src, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        first, count = self.plan.group_span(group)
+        why = check_pair_ids(self.plan, first, count, src, dst)
+        if why:
+            raise DeviceError(f"copy refused: {why}")
+        if not len(src) or not count:
+            return _Nothing()
+        device, driver = self._device, self._device.driver
+        device.current()
+        chunks = -(-self.plan.max_bytes(first, count) // kernel.CHUNK)
+        grid = (len(src), count, chunks)
+        at = self._take(len(src))
+        if at is not None:
+            self._mirror[at:at + len(src)] = (dst << 32) | src
+            driver.upload_async(self._ring + at * 8, self._host + at * 8, len(src) * 8, device.stream)
+            job = _run(device, self._fn, self._memory.address, self._ring + at * 8, 0, first, grid, self.plan.mode)
+            self._inflight.append((at, at + len(src), job))
+            return job
+        packed = np.ascontiguousarray((dst << 32) | src)
+        pairs = driver.alloc_async(packed.nbytes, device.stream)
+        try:  # from pageable memory: the driver stages it before the call returns
+            driver.upload_async(pairs, packed.ctypes.data, packed.nbytes, device.stream)
+            return _run(device, self._fn, self._memory.address, pairs, 0, first, grid, self.plan.mode)
+        finally:
+            driver.free_async(pairs, device.stream)
+
+    def _take(self, n: int) -> int | None:
+        """The start of ``n`` ring entries no launch in flight reads, or None."""
+        while self._inflight and self._inflight[0][2].done():
+            self._inflight.popleft()
+        if n > _PAIR_RING:
+            return None
+        start = self._head if self._head + n <= _PAIR_RING else 0
+        if any(a < start + n and start < b for a, b, _ in self._inflight):
+            return None
+        self._head = start + n
+        return start
 
     def close(self) -> None:
         if self._host:
@@ -244,6 +335,11 @@ class CudaDevice:
             raise DeviceError(f"{len(plan.table)} KV regions: the landing copy takes at most 65535")
         return _Copier(self, plan)
 
+    def pair_copier(self, plan: CopyPlan) -> _PairCopier:
+        if len(plan.table) > 65535:
+            raise DeviceError(f"{len(plan.table)} KV regions: the copy takes at most 65535")
+        return _PairCopier(self, plan)
+
     def read(self, address: int, nbytes: int) -> bytes:
         self.current()
         out = ctypes.create_string_buffer(nbytes)
@@ -260,6 +356,7 @@ class CudaDevice:
         for width in kernel.WIDTHS:
             for gather in (False, True):
                 self._check_width(width, gather)
+            self._check_pairs(width)
         log.info("copy_kernel_checked", device=self.ordinal, widths=list(kernel.WIDTHS))
 
     def _check_width(self, width: int, gather: bool) -> None:
@@ -291,6 +388,31 @@ class CudaDevice:
         if not np.array_equal(got, want):
             raise DeviceError(f"the copy kernel ({width}-byte accesses, {'staging' if gather else 'landing'}) "
                               "copied wrong bytes on this device")
+
+    def _check_pairs(self, width: int) -> None:
+        """The pair copy: source blocks 3 and 0 into destination blocks 1 and 4, blocks long
+        enough for both of the kernel's loops (four accesses at a time, then one)."""
+        length, n_src, n_dst = (4 * kernel.THREADS + 8) * width, 4, 5
+        src_ids, dst_ids = np.array([3, 0]), np.array([1, 4])
+        memory = self.allocate((n_src + n_dst) * length + 4 * width)
+        try:
+            src, dst = memory.address + width, memory.address + n_src * length + 2 * width
+            pattern = (np.arange(n_src * length) % 251 + 1).astype(np.uint8)
+            self.driver.upload(src, pattern.ctypes.data, pattern.nbytes)
+            table = np.array([[src, length, n_src, dst, length, n_dst, length, 0]], dtype=np.int64)
+            plan = CopyPlan(table, np.zeros(1, np.int64), np.zeros(1, np.int64), 1, 0, width, pairs=True)
+            copier = _PairCopier(self, plan)
+            try:
+                copier.launch(0, src_ids, dst_ids).wait()
+            finally:
+                copier.close()
+            got = np.frombuffer(self.read(dst, n_dst * length), dtype=np.uint8).reshape(n_dst, length)
+        finally:
+            memory.close()
+        want = np.zeros((n_dst, length), dtype=np.uint8)
+        want[dst_ids] = pattern.reshape(n_src, length)[src_ids]
+        if not np.array_equal(got, want):
+            raise DeviceError(f"the copy kernel ({width}-byte accesses, pairs) copied wrong bytes on this device")
 
     def close(self) -> None:
         try:

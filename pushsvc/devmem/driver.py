@@ -81,6 +81,8 @@ class Driver:
             "cuIpcOpenEventHandle": [ctypes.POINTER(ctypes.c_void_p), _IpcHandle],
             "cuMemAlloc_v2": [ctypes.POINTER(_PTR), ctypes.c_size_t],
             "cuMemFree_v2": [_PTR],
+            "cuMemAllocAsync": [ctypes.POINTER(_PTR), ctypes.c_size_t, ctypes.c_void_p],
+            "cuMemFreeAsync": [_PTR, ctypes.c_void_p],
             "cuMemsetD8_v2": [_PTR, ctypes.c_ubyte, ctypes.c_size_t],
             "cuMemGetInfo_v2": [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
             "cuMemHostAlloc": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint],
@@ -213,6 +215,16 @@ class Driver:
 
     def free(self, ptr: int) -> None:
         self._check(self._lib.cuMemFree_v2(ptr), "cuMemFree")
+
+    def alloc_async(self, nbytes: int, stream: int) -> int:
+        """Device memory in ``stream``'s order (from the device's pool: no synchronization)."""
+        ptr = _PTR()
+        self._check(self._lib.cuMemAllocAsync(ctypes.byref(ptr), nbytes, stream), f"cuMemAllocAsync of {nbytes} bytes")
+        return ptr.value
+
+    def free_async(self, ptr: int, stream: int) -> None:
+        """Give ``ptr`` back once the work queued on ``stream`` before this call is done."""
+        self._check(self._lib.cuMemFreeAsync(ptr, stream), "cuMemFreeAsync")
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:
         self._check(self._lib.cuMemsetD8_v2(ptr, value, nbytes), "cuMemsetD8")

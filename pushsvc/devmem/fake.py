@@ -17,7 +17,7 @@ import hashlib
 import numpy as np
 
 from pushsvc.errors import DeviceError
-from pushsvc.state.landing import CopyPlan, SlotRun, check_launch, check_pairs, copy_ranges
+from pushsvc.state.landing import CopyPlan, SlotRun, check_launch, check_pair_ids, check_pairs, copy_ranges
 
 
 class _Buffer:
@@ -120,6 +120,32 @@ class _Copier:
             self._device.allocated -= self.nbytes
 
 
+class _PairCopier:
+    def __init__(self, device: FakeDevice, plan: CopyPlan) -> None:
+        self.plan = plan
+        self.nbytes = plan.table.nbytes
+        self._device = device
+        device.allocated += self.nbytes
+        self._open = True
+
+    def launch(self, group: int, src: np.ndarray, dst: np.ndarray) -> _Copy:
+        assert self._open, "copy through a closed copier"
+        src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        first, count = self.plan.group_span(group)
+        why = check_pair_ids(self.plan, first, count, src, dst)
+        if why:
+            raise DeviceError(f"copy refused: {why}")
+        for s, d, n in zip(*copy_ranges(self.plan, first, count, src, dst)):
+            ctypes.memmove(int(d), int(s), int(n))
+        self._device.pair_copies += 1
+        return _Copy(self._device, self._device.memory.copy_polls)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._device.allocated -= self.nbytes
+
+
 class FakeDevice:
     def __init__(self, memory: FakeDeviceMemory, ordinal: int, uuid: bytes) -> None:
         self.memory = memory
@@ -129,6 +155,7 @@ class FakeDevice:
         self.allocated = 0
         self.in_flight = 0
         self.gathers = 0
+        self.pair_copies = 0
         self._owned: dict[int, ctypes.Array] = {}
 
     def import_ipc(self, handle: bytes) -> _Buffer:
@@ -165,6 +192,9 @@ class FakeDevice:
 
     def copier(self, plan: CopyPlan) -> _Copier:
         return _Copier(self, plan)
+
+    def pair_copier(self, plan: CopyPlan) -> _PairCopier:
+        return _PairCopier(self, plan)
 
     def read(self, address: int, nbytes: int) -> bytes:
         return ctypes.string_at(address, nbytes)

@@ -117,6 +117,9 @@ class CopyPlan:
     slots: int  # physical slots per region of the daemon's buffer
     width: int  # bytes that divide every address, stride and length (at most COPY_ALIGN)
     gather: bool = False  # True: worker -> staging slots (P); False: landing slots -> worker (D)
+    # True: P's copy into a same-host D's KV (``build_pairs``): any source block to any
+    # destination block, the pairs named per launch.
+    pairs: bool = False
     # What ``span`` and ``max_bytes`` found, by their arguments: every part's copy of a
     # request asks the same few questions again, on a path a WRITE's completion waits for.
     _known: dict = field(default_factory=dict, compare=False, repr=False)
@@ -130,6 +133,19 @@ class CopyPlan:
     def build_staging(cls, worker: Layout, staging: Layout) -> CopyPlan:
         """The copy from ``worker`` into ``staging`` (``LandingGeometry.layout`` of P's KV)."""
         return cls._build(worker, staging, gather=True)
+
+    @classmethod
+    def build_pairs(cls, src: Layout, dst: Layout) -> CopyPlan:
+        """The copy from P's KV ``src`` into D's KV ``dst`` (mapped here): entry ``e`` moves
+        source block ``s`` of region ``e`` to destination block ``d`` for each pair (s, d)
+        a launch names (``check_pair_ids``; ``copy_ranges`` with ``slots`` = s, ``blocks`` = d)."""
+        plan = cls._build(dst, src, gather=False)
+        return cls(plan.table, plan.region_of, plan.group_of, plan.groups, 0, plan.width, pairs=True)
+
+    @property
+    def mode(self) -> int:
+        """The kernel's ``mode``: 0 landing, 1 staging, 2 pairs (``devmem/kernel.py``)."""
+        return 2 if self.pairs else int(self.gather)
 
     @classmethod
     def _build(cls, worker: Layout, own: Layout, gather: bool) -> CopyPlan:
@@ -201,6 +217,26 @@ def check_pairs(plan: CopyPlan, first: int, count: int, slots: np.ndarray, block
         return "slots are not one run inside the buffer"
     if blocks.min() < 0 or blocks.max() >= worker.min():
         return f"block {int(blocks.max())} outside the worker's KV ({int(worker.min())} blocks)"
+    return ""
+
+
+def check_pair_ids(plan: CopyPlan, first: int, count: int, src: np.ndarray, dst: np.ndarray) -> str:
+    """Why the pairs (``src[i]`` -> ``dst[i]``) cannot be copied by entries ``first ..
+    first + count`` of a pair plan ("" if they can): every block inside every entry's
+    range, and ids that fit the kernel's 32-bit halves."""
+    if not plan.pairs:
+        return "not a pair copy"
+    if len(src) != len(dst):
+        return f"{len(src)} source blocks for {len(dst)} destination blocks"
+    if not len(src) or not count:
+        return ""
+    if first < 0 or first + count > len(plan.table):
+        return f"copy entries {first}..{first + count - 1} of {len(plan.table)}"
+    t = plan.table[first:first + count]
+    if src.min() < 0 or src.max() >= min(t[:, 2].min(), 2**32):
+        return f"source block {int(src.max())} outside P's KV ({int(t[:, 2].min())} blocks)"
+    if dst.min() < 0 or dst.max() >= min(t[:, 5].min(), 2**31):
+        return f"destination block {int(dst.max())} outside D's KV ({int(t[:, 5].min())} blocks)"
     return ""
 
 

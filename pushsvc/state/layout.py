@@ -276,6 +276,39 @@ def plan_write(
                      logical_blocks=logical, edges=edges, region_bytes=region_bytes)
 
 
+@dataclass(frozen=True, slots=True)
+class BlockPairs:
+    """P's copy of one request into a same-host D's KV (``devmem`` pair copies): per KV
+    group, P's physical blocks and D's, pairwise (every region of a group moves the same
+    blocks)."""
+
+    groups: tuple[tuple[int, np.ndarray, np.ndarray], ...]  # (group, P's blocks, D's blocks)
+    nbytes: int
+    logical_blocks: int
+
+
+def pair_blocks(src: Layout, dst: Layout, src_blocks: list[list[int]], dst_blocks: list[list[int]]) -> BlockPairs:
+    """``plan_write``'s pairing, per group instead of per descriptor: D's blocks take P's
+    last ``len(dst)`` blocks of the group, in order (a prefix hit on D); D asking for more
+    blocks than P has is an error. The layouts were found compatible, and both sides' ids
+    checked (``check_block_ids``), before: this is on the path of every same-host push."""
+    groups, nbytes = [], 0
+    per_group = src._columns.by_group
+    for g, regs in per_group.items():
+        s_ids = src_blocks[g] if g < len(src_blocks) else []
+        d_ids = dst_blocks[g] if g < len(dst_blocks) else []
+        if len(d_ids) > len(s_ids):
+            raise LayoutError(f"group {g}: remote asks for {len(d_ids)} blocks, only {len(s_ids)} exist")
+        if not d_ids:
+            continue
+        s_phys = _expand(s_ids[len(s_ids) - len(d_ids):], src.blocks_per_logical).astype(np.int64)
+        d_phys = _expand(d_ids, dst.blocks_per_logical).astype(np.int64)
+        groups.append((int(g), s_phys, d_phys))
+        nbytes += len(d_phys) * int(src._columns.block_lens[regs].sum())
+    logical = sum(len(ids) for ids in dst_blocks)
+    return BlockPairs(tuple(groups), nbytes, logical)
+
+
 def split_plan(plan: WritePlan, parts: int) -> list[WritePlan]:
     """Cut ``plan`` into ``parts`` WRITEs by region: part ``i`` carries every pair of the
     regions ``part_regions(region_count, parts, i)``. D cuts its copies the same way.
