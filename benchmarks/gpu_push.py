@@ -9,6 +9,9 @@ contiguous (a fresh prefill) and scattered (a long-running engine):
   handing ``SendReady`` to its daemon (D's registration already at P) until D's worker
   sees ``RecvDone``: the WRITE into D's landing buffer, in parts, and the copies into D's
   KV included. The exposed copy is read off D's ``pushsvc_landing_exposed_seconds``.
+* **same-host push** (``ipc_push = "auto"``): the same daemons and workers, but P's daemon
+  maps D's worker KV and copies each request's blocks into it with one kernel (no NIXL
+  WRITE, no landing copy; docs/gpu.md, "Same-host push"). Timed the same way.
 * **in-process NIXL**: two processes owning the same KV shapes (``cudaMalloc``), one NIXL
   agent each, one WRITE of the same block pairs, timed from the post until the target
   saw the notification.
@@ -285,9 +288,18 @@ def timeline_medians(p_daemon, d_daemon, rids: list[str]) -> dict[str, float]:
     return dict(sorted(((k, round(statistics.median(v), 3)) for k, v in offsets.items()), key=lambda kv: kv[1]))
 
 
+def _ipc_ready(d_daemon, timeout: float = 20.0) -> None:
+    """Wait until P told D's daemon it mapped D's worker KV (same-host push from then on)."""
+    deadline = time.monotonic() + timeout
+    while not any(p["ipc_ready"] for p in d_daemon.live_info()["peers"]):
+        if time.monotonic() > deadline:
+            raise RuntimeError("P never mapped D's KV (same-host push)")
+        time.sleep(0.01)
+
+
 def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int, small_reps: int,
                 log_level: str = "warning", part_mib: int | None = None, staging_mib: int = 0,
-                ucx_mode: str = "peer", sgl: bool = False) -> dict:
+                ucx_mode: str = "peer", sgl: bool = False, ipc: bool = False) -> dict:
     from procs import start_daemon
 
     base = Path(tempfile.mkdtemp(prefix="psbench-gpu-"))
@@ -295,7 +307,8 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     parts = ("--write-part-mib", str(part_mib)) if part_mib is not None else ()
     if staging_mib:
         parts += ("--staging-mib", str(staging_mib))
-    mode = ("--ucx-error-handling-mode", ucx_mode, "--ucx-sgl", "on" if sgl else "off")
+    mode = ("--ucx-error-handling-mode", ucx_mode, "--ucx-sgl", "on" if sgl else "off", "--ipc-push",
+            "auto" if ipc else "off")
     p_daemon = start_daemon(base, "prefill", "--gpu", "on", "--log-level", log_level, *parts, *mode, timeout=120)
     d_daemon = start_daemon(base, "decode", "--gpu", "on", "--log-level", log_level, "--landing-mib",
                             str(landing_mib), *mode, timeout=120)
@@ -317,6 +330,9 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
             raise RuntimeError(f"{rid}: load failed")
         return fin["t"] - t0, t0
 
+    if ipc:  # the first push makes the daemons meet (over NIXL); P maps D's KV then
+        one(1, [0], [0])
+        _ipc_ready(d_daemon)
     for pattern in patterns:
         for n in sizes:
             p_ids, d_ids = _block_sets(n, total_blocks, pattern, n + 7)
@@ -332,7 +348,7 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
             out["push"][(pattern, n)] = statistics.median(times)
             out["exposed"][(pattern, n)] = (exp1[0] - exp0[0]) / max(1.0, exp1[1] - exp0[1])
             out["parts"][(pattern, n)] = (parts1 - parts0) / repeats
-            print(f"  daemon push     {pattern:10s} {n:5d} blocks: {out['push'][(pattern, n)] * 1e3:8.3f} ms "
+            print(f"  {'same-host push' if ipc else 'daemon push':15s} {pattern:10s} {n:5d} blocks: {out['push'][(pattern, n)] * 1e3:8.3f} ms "
                   f"(exposed copy {out['exposed'][(pattern, n)] * 1e3:.3f} ms, "
                   f"{out['parts'][(pattern, n)]:.0f} parts)", flush=True)
             if n >= 64:  # where a large push's time goes: posting, the parts landing, the copies
@@ -346,6 +362,7 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
                     "p99_ms": float(np.percentile(small, 99) * 1e3), "n": len(small)}
     out["small_timeline_ms"] = timeline_medians(p_daemon, d_daemon, out["small_rids"])
     out["daemon_info"] = {"prefill": p_daemon.live_info(), "decode": d_daemon.live_info()}
+    out["ipc_copies"] = p_daemon.metric("pushsvc_ipc_copies_total")
     if log_level == "debug":
         out["phases"] = phases(p_daemon.log(), d_daemon.log())
     for w in (p, d):
@@ -421,9 +438,11 @@ def _chart(rows: list[dict], path: Path) -> None:
         if not sub:
             continue
         blocks = [r["blocks"] for r in sub]
-        for key, label in (("daemon_gb_s", "daemon push (incl. D copy)"), ("nixl_gb_s", "in-process NIXL WRITE"),
+        for key, label in (("daemon_gb_s", "daemon push, NIXL + landing (incl. D copy)"),
+                           ("ipc_gb_s", "daemon push, same host (P's copy)"), ("nixl_gb_s", "in-process NIXL WRITE"),
                            ("torch_gb_s", "torch device copy")):
-            ax.plot(blocks, [r[key] for r in sub], marker="o", label=label)
+            if all(key in r for r in sub):
+                ax.plot(blocks, [r[key] for r in sub], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{pattern} block ids")
@@ -456,6 +475,9 @@ def main() -> None:
                     help="only whole-request against layer-wise push after a simulated forward pass")
     ap.add_argument("--layer-cycles", type=int, default=2_000_000,
                     help="--layerwise: GPU cycles each layer is kept busy (~1 ms at 2 GHz)")
+    ap.add_argument("--ipc", default="both", choices=["both", "off"],
+                    help="both: the daemon push over NIXL into D's landing buffer and the same-host push "
+                         "(ipc_push), side by side; off: only the former")
     ap.add_argument("--p-gpu", type=int, default=None, help="P's GPU (default 0)")
     ap.add_argument("--d-gpu", type=int, default=None, help="D's GPU (default 1 where two are visible, else 0)")
     args = ap.parse_args()
@@ -506,6 +528,11 @@ def main() -> None:
     push = daemon_push(sizes, total, patterns, args.repeats, args.small, part_mib=args.part_mib,
                        staging_mib=args.staging_mib, ucx_mode=args.ucx_error_handling_mode,
                        sgl=args.ucx_sgl == "on")
+    same_host = None
+    if args.ipc == "both":
+        print("same-host push ...", flush=True)
+        same_host = daemon_push(sizes, total, patterns, args.repeats, args.small, ucx_mode=args.ucx_error_handling_mode,
+                                ipc=True)
     rows = []
     for pattern in patterns:
         for n in sizes:
@@ -515,12 +542,18 @@ def main() -> None:
                          "daemon_gb_s": nbytes / d / 1e9, "nixl_gb_s": nbytes / a / 1e9, "torch_gb_s": nbytes / c / 1e9,
                          "daemon_vs_nixl": a / d, "exposed_copy_s": push["exposed"][(pattern, n)],
                          "exposed_share": push["exposed"][(pattern, n)] / d, "parts": push["parts"][(pattern, n)]})
+            if same_host is not None:
+                i = same_host["push"][(pattern, n)]
+                rows[-1].update(ipc_s=i, ipc_gb_s=nbytes / i / 1e9, ipc_vs_nixl=a / i, ipc_vs_torch=c / i)
     result = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, "small_request": push["small"],
               "small_timeline_ms": push["small_timeline_ms"], "part_timelines_ms": push["timelines"],
               "layout": {"layers": LAYERS, "block_size": BLOCK_SIZE, "kv_heads": HEADS, "head_dim": DIM,
                          "dtype": "bfloat16", "block_bytes": BLOCK_BYTES},
               "daemon_info": push["daemon_info"], "write_part_mib": args.part_mib,
               "staging_mib": args.staging_mib, "ucx_sgl": args.ucx_sgl, "p_gpu": p_gpu, "d_gpu": d_gpu}
+    if same_host is not None:
+        result.update(same_host_small_request=same_host["small"], same_host_small_timeline_ms=same_host[
+            "small_timeline_ms"], same_host_copies=same_host["ipc_copies"])
     (out_dir / "gpu_push.json").write_text(json.dumps(result, indent=2))
     _chart(rows, out_dir / "gpu_push.png")
     print("\n| ids | blocks | MiB | daemon push GB/s | in-process NIXL GB/s | daemon / NIXL | torch copy GB/s "
@@ -530,12 +563,23 @@ def main() -> None:
         print(f"| {r['pattern']} | {r['blocks']} | {r['bytes'] >> 20} | {r['daemon_gb_s']:.1f} | {r['nixl_gb_s']:.1f} "
               f"| {r['daemon_vs_nixl'] * 100:.0f}% | {r['torch_gb_s']:.0f} | {r['exposed_share'] * 100:.1f}% "
               f"({r['exposed_copy_s'] * 1e3:.3f} ms) | {r['parts']:.0f} |")
-    s = push["small"]
-    print(f"\nsmall request (1 block x 32 layers): SendReady -> RecvDone p50 {s['p50_ms']:.3f} ms, "
-          f"p90 {s['p90_ms']:.3f} ms, p99 {s['p99_ms']:.3f} ms over {s['n']}")
-    print("  where it goes (daemons' request timelines, median ms after P's send_ready):")
-    for name, ms in push["small_timeline_ms"].items():
-        print(f"    {name:22s} {ms:7.3f}")
+    if same_host is not None:
+        print(f"\nsame-host push (P's copy into D's KV; {same_host['ipc_copies']:.0f} requests copied so):")
+        print("| ids | blocks | MiB | same-host push GB/s | in-process NIXL GB/s | same-host / NIXL | torch copy GB/s "
+              "| same-host / torch |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['pattern']} | {r['blocks']} | {r['bytes'] >> 20} | {r['ipc_gb_s']:.1f} | {r['nixl_gb_s']:.1f} "
+                  f"| {r['ipc_vs_nixl'] * 100:.0f}% | {r['torch_gb_s']:.0f} | {r['ipc_vs_torch'] * 100:.0f}% |")
+    for name, run in (("daemon push", push), ("same-host push", same_host)):
+        if run is None:
+            continue
+        s = run["small"]
+        print(f"\n{name}, small request (1 block x 32 layers): SendReady -> RecvDone p50 {s['p50_ms']:.3f} ms, "
+              f"p90 {s['p90_ms']:.3f} ms, p99 {s['p99_ms']:.3f} ms over {s['n']}")
+        print("  where it goes (daemons' request timelines, median ms after P's send_ready):")
+        for event, ms in run["small_timeline_ms"].items():
+            print(f"    {event:22s} {ms:7.3f}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ucx-sgl", dest="ucx_sgl", choices=["on", "off"],
                    help="post each WRITE to UCX as one scatter-gather list (on; faster for many GPU descriptors, "
                         "but no WRITE into a D without landing buffer) or one put per descriptor (off)")
+    p.add_argument("--ipc-push", dest="ipc_push", choices=["auto", "off"],
+                   help="same-host GPU push: auto (a P maps a D's KV on the same host and copies into it itself) "
+                        "or off (NIXL WRITEs only)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--ready-file", help="write /v1/info JSON here once the daemon is ready")
 
@@ -124,7 +127,7 @@ _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_
               "health_token_file", "insecure_health",
               "allowed_peer_hosts", "lease_s", "watchdog_s", "log_format", "log_level", "verify", "gpu", "landing_mib",
               "staging_mib",
-              "write_part_mib", "post_slice_mib", "ucx_error_handling_mode", "ucx_sgl")
+              "write_part_mib", "post_slice_mib", "ucx_error_handling_mode", "ucx_sgl", "ipc_push")
 
 
 def build_parser() -> argparse.ArgumentParser:

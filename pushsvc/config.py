@@ -34,6 +34,7 @@ LOG_FORMATS = frozenset({"auto", "json", "console"})
 LOG_LEVELS = frozenset({"debug", "info", "warning", "error"})
 GPU_MODES = frozenset({"auto", "on", "off"})
 UCX_SGL_MODES = frozenset({"on", "off"})
+IPC_PUSH_MODES = frozenset({"auto", "off"})
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -136,6 +137,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # and WRITEs from there, so NIXL never registers the worker's (imported) memory. For NICs
     # that cannot register CUDA-IPC-imported memory (docs/gpu.md); 0 = WRITE from the KV.
     staging_mib: int = 0
+    # Same-host push on the GPU: "auto": a D offers its worker's CUDA KV to P daemons on the
+    # same host, a P maps it and copies each request's blocks into it with one kernel (no
+    # NIXL WRITE, no landing copy; docs/gpu.md, "Same-host push"); "off": never (NIXL only).
+    ipc_push: str = "auto"
 
     def resolve(self, env: Mapping[str, str] | None = None) -> Config:
         """Return a copy with derived defaults filled in; a resolved config is a fixed point."""
@@ -192,6 +197,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("ucx_error_handling_mode", f'must be "peer" or "none", got {self.ucx_error_handling_mode!r}')
         if self.ucx_sgl not in UCX_SGL_MODES:
             raise ConfigError("ucx_sgl", f"must be one of {sorted(UCX_SGL_MODES)}, got {self.ucx_sgl!r}")
+        if self.ipc_push not in IPC_PUSH_MODES:
+            raise ConfigError("ipc_push", f"must be one of {sorted(IPC_PUSH_MODES)}, got {self.ipc_push!r}")
         if not 0 <= self.timelines_kept <= 100_000:
             raise ConfigError("timelines_kept", f"must be in 0..100000, got {self.timelines_kept}")
         if not self.nixl_backends or not all(self.nixl_backends):

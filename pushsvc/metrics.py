@@ -64,6 +64,8 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r)
         self.landing_copies = Counter("pushsvc_landing_copies", "Gather copies into worker KV (one per part)",
                                       registry=r)
+        self.ipc_copies = Counter("pushsvc_ipc_copies", "P: requests copied into a same-host D's KV by P itself "
+                                  "(same-host push, no NIXL WRITE)", registry=r)
         self.staging_copies = Counter("pushsvc_staging_copies", "P: copies of a request's blocks into staging slots "
                                       "(one per KV group)", registry=r)
         self.staging_waits = Counter("pushsvc_staging_waits", "P: matches that waited for staging space", registry=r)

@@ -54,6 +54,11 @@ from pushsvc_connector.steps import StepPlan
 log = logging.getLogger("vllm.pushsvc_connector")
 
 RECONNECT_INTERVAL_S = 0.25
+# D with CUDA KV: how long requests held from a daemon that is gone stay held before vLLM
+# gets their blocks back. A same-host P daemon may copy into them itself (docs/gpu.md,
+# "Same-host push"), and it launches a copy only while it heard from our daemon within
+# its fence (``ipcpush.IPC_FENCE_S``, 2.5 s): past that plus the copy, nothing lands.
+IPC_RELEASE_GRACE_S = 5.0
 # While the daemon is away, every attempt fails; one warning per this many is enough.
 _WARN_EVERY = 40
 
@@ -71,6 +76,9 @@ class _Transfer:
     layerwise: bool = False
     ended: bool = False
     final: bool = False
+    # D with CUDA KV, its daemon gone: released at this time (monotonic), for this cause and why.
+    release_at: float = 0.0
+    release_why: tuple[str, str] = ("", "")
 
 
 class PushWorker:
@@ -87,6 +95,7 @@ class PushWorker:
                                    timeout_s=connect_timeout_s, pp_rank=pp_rank, pp_size=pp_size)
         self.stats = Counts()
         self._share: KVShare | None = None
+        self._graced = False  # D requests wait out IPC_RELEASE_GRACE_S (``_release_due``)
         self._registered = False
         self._daemon_id = ""  # the incarnation last connected to
         self._next_connect = 0.0
@@ -270,6 +279,7 @@ class PushWorker:
             elif not self._registered:
                 # Only held requests: nothing can arrive before the next attempt to reconnect.
                 time.sleep(max(0.0, min(wait_s, self._next_connect - time.monotonic())))
+        self._release_due()
         if self._available():
             try:
                 events = self.client.poll()
@@ -338,9 +348,28 @@ class PushWorker:
             self._finish_send(rid)
 
     def _release_held(self, cause: str, why: str) -> None:
+        cuda = self._share is not None and self._share.kind == "cuda"
+        now = time.monotonic()
         for table in (self._recving, self._sending):
-            for rid in [rid for rid, t in table.items() if t.held]:
-                self._release(rid, table, cause, why)
+            for rid, transfer in [(rid, t) for rid, t in table.items() if t.held]:
+                if cuda and table is self._recving:  # a same-host P may still copy into its blocks
+                    if not transfer.release_at:
+                        transfer.release_at, transfer.release_why = now + IPC_RELEASE_GRACE_S, (cause, why)
+                        self._graced = True
+                else:
+                    self._release(rid, table, cause, why)
+        self._release_due()
+
+    def _release_due(self) -> None:
+        """Release D's held requests whose grace after the daemon's loss ran out."""
+        if not self._graced:
+            return
+        now = time.monotonic()
+        graced = [(r, t) for r, t in self._recving.items() if t.held and t.release_at]
+        for rid, transfer in graced:
+            if now >= transfer.release_at:
+                self._release(rid, self._recving, *transfer.release_why)
+        self._graced = any(now < t.release_at for _, t in graced)
 
     def _finish_recv(self, rid: str, failure: str | None) -> None:
         transfer = self._recving.pop(rid, None)

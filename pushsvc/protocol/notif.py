@@ -53,6 +53,9 @@ class PushReg(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # Side channel 1.2: the exchange's match key. Encoded only when set (omit_defaults),
     # which D does only for a P whose side-channel minor says it knows the field.
     match_key: MatchKey = ""
+    # Side channel 1.8: P copies into D's worker KV itself (same host, ``AgentInfo.ipc``,
+    # after P's ``IpcReady``): the blocks are the worker's, not landing slots.
+    ipc: bool = False
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -27,14 +27,16 @@ MAJOR = 1
 # 1.4: PeerHello.ucx_error_handling_mode; 1.5: RegionInfo.heads/replicated and ``source_rank`` on
 # PushFailed, CancelPush, PushCancelled, WriteStarted (P TP = k x D TP); 1.6: AgentInfo.members
 # (a D daemon's joint agent over several of its ranks, D TP = k x P TP); 1.7: AgentInfo.stage and
-# AgentInfo.stages (a pipeline-parallel P: each stage's ranks hold some of the layers)
-MINOR = 7
+# AgentInfo.stages (a pipeline-parallel P: each stage's ranks hold some of the layers); 1.8:
+# AgentInfo.ipc, IpcReady and IpcWithdrawn (P copies into a same-host D's CUDA KV itself)
+MINOR = 8
 AUTH_MINOR = 1
 MATCH_KEY_MINOR = 2  # a D daemon sets PushReg.match_key only for a P at this minor or later
 PARTS_MINOR = 3  # a P daemon splits WRITEs only for a D at this minor or later that asks for it
 HETERO_TP_MINOR = 5  # a D daemon registers with several P ranks only at this minor or later
 JOINT_MINOR = 6  # a D daemon announces its joint agents only to a P at this minor or later
 STAGES_MINOR = 7  # a P daemon announces the agents of a pipeline-parallel engine only to a D at this minor or later
+IPC_MINOR = 8  # a D daemon offers its worker's CUDA KV (AgentInfo.ipc) only to a P at this minor or later
 
 _opts = dict(forbid_unknown_fields=True, omit_defaults=True, tag_field="t")
 # A P rank's source id (``AgentInfo.source``): at most 256 pipeline stages of TP 1024.
@@ -56,6 +58,33 @@ class RegionInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True,
     @property
     def stride(self) -> int:
         return self.block_stride or self.block_len
+
+
+class IpcBuffer(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One CUDA allocation of D's worker, as its CUDA IPC handle."""
+
+    handle: Annotated[bytes, msgspec.Meta(min_length=64, max_length=64)]
+    size: Annotated[int, msgspec.Meta(ge=1, le=2**48)]
+
+
+class IpcRegion(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
+    """Where region ``i`` of ``AgentInfo.regions`` lies in D's worker's own KV: its block
+    length, group and heads are the region's; its blocks are the worker's."""
+
+    buffer: Annotated[int, msgspec.Meta(ge=0, lt=16384)]
+    offset: U64
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+    block_stride: U64 = 0
+
+
+class IpcKV(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """1.8: a D agent's worker KV, for a P daemon on the same host to copy into itself
+    (docs/gpu.md, "Same-host push"). ``host``: the kernel's boot id of D's host."""
+
+    host: Name
+    device: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]  # the GPU's UUID
+    buffers: Annotated[list[IpcBuffer], msgspec.Meta(max_length=16384)]
+    regions: Annotated[list[IpcRegion], msgspec.Meta(max_length=16384)]
 
 
 class AgentInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
@@ -80,6 +109,9 @@ class AgentInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, 
     # from every stage's agents of the P ranks it pairs with.
     stage: Annotated[int, msgspec.Meta(ge=0, lt=256)] = 0
     stages: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+    # 1.8: D's worker KV, which a P daemon on the same host may copy into itself; a P that
+    # can answers ``IpcReady``, and only then do D's registrations ask it to (PushReg.ipc).
+    ipc: IpcKV | None = None
 
     @property
     def source(self) -> int:
@@ -91,9 +123,9 @@ class AgentInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, 
 def announceable(agents: list[AgentInfo], minor: int) -> list[AgentInfo]:
     """The agents a peer of side-channel 1.``minor`` may hear of (joint agents from 1.6, the
     agents of a pipeline-parallel engine from 1.7: an older D would take one stage's layers
-    for all of them)."""
-    return [a for a in agents if (minor >= JOINT_MINOR or a.members == 1) and (minor >= STAGES_MINOR
-                                                                                or a.stages == 1)]
+    for all of them; a D agent's worker KV from 1.8, without it before)."""
+    return [a if minor >= IPC_MINOR or a.ipc is None else msgspec.structs.replace(a, ipc=None)
+            for a in agents if (minor >= JOINT_MINOR or a.members == 1) and (minor >= STAGES_MINOR or a.stages == 1)]
 
 
 _Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_LEN, max_length=NONCE_LEN)]
@@ -182,6 +214,21 @@ def source_rank(msg: PushFailed | CancelPush | PushCancelled | WriteStarted) -> 
     return msg.source_rank if msg.source_rank >= 0 else msg.rank
 
 
+class IpcReady(msgspec.Struct, tag="ipc_ready", **_opts):
+    """1.8, P -> D: P mapped the worker KV of D's agent ``agent_name`` (``AgentInfo.ipc``)
+    and copies into it itself for a registration that asks so (``PushReg.ipc``)."""
+
+    agent_name: Name
+
+
+class IpcWithdrawn(msgspec.Struct, tag="ipc_withdrawn", **_opts):
+    """1.8, D -> P: D's agent ``agent_name`` retired (its worker left or was replaced). P
+    unmaps its worker KV once no copy into it is in flight: a mapping kept would hold the
+    worker's GPU memory after the worker exited."""
+
+    agent_name: Name
+
+
 class Heartbeat(msgspec.Struct, tag="hb", **_opts):
     seq: U64 = 0
 
@@ -191,7 +238,8 @@ class Goodbye(msgspec.Struct, tag="bye", **_opts):
 
 
 PeerMessage = Union[
-    PeerHello, AgentsUpdate, PushFailed, CancelPush, PushCancelled, WriteStarted, Heartbeat, Goodbye,
+    PeerHello, AgentsUpdate, PushFailed, CancelPush, PushCancelled, WriteStarted, IpcReady, IpcWithdrawn, Heartbeat,
+    Goodbye,
     AuthChallenge, AuthProof,
 ]
 

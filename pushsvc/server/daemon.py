@@ -243,7 +243,8 @@ class Daemon:
             "retiring_agents": [r.agent.name for r in [*self.service.ranks.retiring, *self.service.joints.retiring]],
             "peers": [
                 {"engine_id": p.engine_id, "daemon_id": p.daemon_id, "host": p.host, "port": p.port,
-                 "minor": p.minor, "authenticated": p.authenticated, "agents": sorted(p.agents)}
+                 "minor": p.minor, "authenticated": p.authenticated, "agents": sorted(p.agents),
+                 "ipc_ready": sorted(p.ipc_ready)}
                 for p in self.service.peers.peers.values()
             ],
             "tables": self.service.table_sizes(),

@@ -18,6 +18,7 @@ import structlog
 from pushsvc.devmem.base import Device, DeviceEvent, DeviceMemory
 from pushsvc.engine.base import Agent
 from pushsvc.errors import LayoutError, ProtocolError
+from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
 from pushsvc.server.ranks import LandingMemory, MappedBuffer, RankMemory, StagingMemory, layout_from_regions
 from pushsvc.shm import SharedBuffer
@@ -33,6 +34,9 @@ log = structlog.get_logger("pushsvc.kvmemory")
 class MemorySettings:
     landing_bytes: int  # per consumer rank with CUDA KV; 0 = WRITEs go into the imported KV
     staging_bytes: int = 0  # per producer rank with CUDA KV; 0 = WRITEs go from the imported KV
+    # This host's boot id: a consumer rank with CUDA KV offers it to same-host P daemons
+    # (``AgentInfo.ipc``); "" = never (``ipc_push = "off"``).
+    ipc_host: str = ""
 
 
 def map_kv(msg: wp.RegisterKV, fds: list[int], *, agent: Agent, role: wp.Role, devmem: DeviceMemory | None,
@@ -119,6 +123,7 @@ def _map_cuda(msg: wp.RegisterKV, agent: Agent, role: wp.Role, devmem: DeviceMem
             owned.append(device.allocate(geometry.nbytes))
             landing = _landing(agent, device, layout, geometry, owned[-1])
         events = _layer_events(msg, role, device, settings, owned)
+        offer = _offer(msg, memory, buffers, settings.ipc_host) if role != "producer" and settings.ipc_host else None
     except BaseException:
         for b in [*buffers, *owned]:
             b.close()
@@ -129,7 +134,17 @@ def _map_cuda(msg: wp.RegisterKV, agent: Agent, role: wp.Role, devmem: DeviceMem
              staging_slots=staging.geometry.slots if staging else 0,
              copy_width=landing.copier.plan.width if landing else 0)
     return RankMemory(buffers, list(msg.regions), layout, descs, dlist, "VRAM", device, landing, staging,
-                      layer_events=events)
+                      layer_events=events, ipc=offer)
+
+
+def _offer(msg: wp.RegisterKV, memory: wp.CudaIpcBuffers, buffers: list[MappedBuffer], host: str) -> pp.IpcKV:
+    """The worker's KV as a same-host P may map it: its handles, with the sizes this daemon
+    mapped (not the worker's word), and where each region lies."""
+    return pp.IpcKV(
+        host=host, device=memory.device_uuid,
+        buffers=[pp.IpcBuffer(handle=b.handle, size=m.size) for b, m in zip(memory.buffers, buffers)],
+        regions=[pp.IpcRegion(buffer=r.buffer, offset=r.offset, num_blocks=r.num_blocks,
+                              block_stride=0 if r.stride == r.block_len else r.stride) for r in msg.regions])
 
 
 def _layer_events(msg: wp.RegisterKV, role: wp.Role, device: Device, settings: MemorySettings,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +70,9 @@ class Peer:
     gone: bool = False
     # Woken when it announces agents or loses its last session (``PeerManager.announced``).
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    heard_at: float = 0.0  # time.monotonic() when a session last read a frame of it
+    # Our agents whose worker KV it mapped to copy into itself (same-host push, ``IpcReady``).
+    ipc_ready: set[str] = field(default_factory=set)
     # Agent name -> (the announcement, its layout): made once per announcement.
     _described: dict[str, tuple[pp.AgentInfo, Layout]] = field(default_factory=dict, repr=False)
 
@@ -114,6 +118,8 @@ class PeerEvents(Protocol):
     def cancel_push(self, peer: Peer, msg: pp.CancelPush) -> None: ...
     def push_cancelled(self, peer: Peer, msg: pp.PushCancelled) -> None: ...
     def write_started(self, peer: Peer, msg: pp.WriteStarted) -> None: ...
+    def ipc_ready(self, peer: Peer, msg: pp.IpcReady) -> None: ...
+    def ipc_withdrawn(self, peer: Peer, msg: pp.IpcWithdrawn) -> None: ...
 
 
 class PeerLink(Protocol):
@@ -408,6 +414,7 @@ class PeerManager:
             self.peers[peer.daemon_id] = peer
             self._by_engine[peer.engine_id] = peer
         peer.heartbeat_interval_s = hello.heartbeat_interval_s
+        peer.heard_at = time.monotonic()
         peer.minor = intro.minor
         peer.authenticated = peer.authenticated or intro.authenticated
         session.peer = peer
@@ -458,6 +465,7 @@ class PeerManager:
         try:
             while True:
                 msg = await session.read(timeout)
+                peer.heard_at = time.monotonic()
                 if isinstance(msg, pp.Heartbeat):
                     continue
                 if isinstance(msg, pp.Goodbye):
@@ -489,6 +497,10 @@ class PeerManager:
             self._events.write_started(peer, msg)
         elif isinstance(msg, pp.AgentsUpdate):
             self._add_agents(peer, msg.agents)
+        elif isinstance(msg, pp.IpcReady):
+            self._events.ipc_ready(peer, msg)
+        elif isinstance(msg, pp.IpcWithdrawn):
+            self._events.ipc_withdrawn(peer, msg)
         else:
             raise ProtocolError(f"unexpected {type(msg).__name__} after hello")
 

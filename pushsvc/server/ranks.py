@@ -89,6 +89,8 @@ class RankMemory:
     # P, layer-wise push from CUDA KV: the worker's events, one per layer and one for the
     # forward pass's end (``state/layerwise.py``'s numbering), opened here.
     layer_events: list[DeviceEvent] = field(default_factory=list)
+    # D with CUDA KV: the worker's KV as same-host P daemons may map it (``AgentInfo.ipc``).
+    ipc: pp.IpcKV | None = None
 
     def joint_view(self, members: int) -> Layout:
         """The worker's blocks as a WRITE into a joint agent of ``members`` D ranks reads
@@ -191,10 +193,14 @@ class Rank:
             parts=memory.landing is not None,
             stage=self.stage,
             stages=self.stages,
+            ipc=memory.ipc,
         )
 
     def close(self) -> None:
-        """Release the agent (every handle it still holds) and then the memory."""
+        """Release the agent (every handle it still holds), the D KV it mapped to copy into
+        (same-host push), and then the memory."""
+        if self.remotes.ipc is not None:
+            self.remotes.ipc.close()
         self.agent.close()
         if self.memory is not None:
             self.memory.close()

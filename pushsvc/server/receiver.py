@@ -143,7 +143,8 @@ class Receiver:
         entry = table.add(rid, msg.local_block_ids, remote, self._now(), msg.match_key)
         assert entry is not None  # duplicates were answered above
         self._timelines.open(rank, RECV, rid, "registered")
-        if self.landing.active(rank):
+        entry.ipc = self._ipc(rank, remote)
+        if self.landing.active(rank) and not entry.ipc:
             outcome, why = self.landing.reserve(rank, rid, msg.local_block_ids)
             if outcome is AllocOutcome.TOO_LARGE:
                 self._fail(rank, rid, "landing_too_small", why)
@@ -153,6 +154,13 @@ class Receiver:
                 self._wake()
                 return  # its PUSH_REG goes out when ``_granted`` hears of its slots
         self._registrar.dispatch(rank, entry)
+
+    def _ipc(self, rank: Rank, remote: Remote) -> bool:
+        """Whether P copies this registration into the worker's blocks itself (same-host
+        push): P said it mapped this rank's KV, on the live session, at equal TP."""
+        peer = self._peers.find_engine(remote.engine_id)
+        return (peer is not None and rank.agent.name in peer.ipc_ready and remote.tp_size == rank.tp_size
+                and not isinstance(rank, Joint))
 
     def _granted(self, rank: Rank, rid: str, waited_s: float) -> None:
         """A registration that waited for landing space has its slots now."""
@@ -285,7 +293,7 @@ class Receiver:
             self._malformed("notification", "foreign_completion", sender,
                             ProtocolError("sender is not an agent the registration went to"))
             return
-        if self.landing.active(rank) and entry is not None:
+        if self.landing.tracks(rank, rid) and entry is not None:
             # Before its copy is launched; a timeline keeps an event's first time.
             self._timelines.mark(rank, RECV, rid, "first_part_landed")
             # Copied only while the registration is live: never into withdrawn blocks.
@@ -377,7 +385,7 @@ class Receiver:
     def _settle(self, rank: Rank, rid: str, action: Action) -> None:
         """``rid`` is final: ``action`` tells the worker, once no copy into its blocks is in
         flight (at once where nothing is landing for it)."""
-        if self.landing.active(rank):
+        if self.landing.tracks(rank, rid):
             def after_copies(error: str) -> None:
                 self._timelines.mark(rank, RECV, rid, "copies_done")
                 action(error)

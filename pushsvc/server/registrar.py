@@ -156,6 +156,9 @@ class Registrar:
                            [keys(r.layer_names for r in s[0].regions) for s in stages if s[0] is not None])
             if why:
                 raise HandshakeError(f"P {peer.engine_id} runs {len(stages)} pipeline stages: {why}")
+        if entry.ipc and peer.minor < pp.IPC_MINOR:  # the blocks are the worker's, not landing slots
+            raise HandshakeError(f"P daemon {peer.engine_id} speaks side channel 1.{peer.minor}: it cannot copy into "
+                                 "this rank's KV itself, as the registration asks")
         me = self._identity
         # A landing rank's registration names its landing slots, which P WRITEs into.
         blocks = self._landing.slot_ids(rank, entry.request_id) if self._landing.tracks(
@@ -175,6 +178,7 @@ class Registrar:
             decode_daemon_id=me.daemon_id,
             # An older P refuses a field it does not know: set it only where P's minor says.
             match_key=entry.match_key if peer.minor >= pp.MATCH_KEY_MINOR else "",
+            ipc=entry.ipc,
         )
         payload = notif.encode_push_reg(reg)
         # Replicated KV (MLA) is written whole by the first source of each stage; the others

@@ -13,6 +13,8 @@ keeps its error, which every WRITE to it then reports.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import structlog
 
 from pushsvc.engine.base import Agent, DListHandle
@@ -30,6 +32,9 @@ from pushsvc.state.layout import (
     source_view,
 )
 
+if TYPE_CHECKING:
+    from pushsvc.server.ipcpush import IpcTargets
+
 log = structlog.get_logger("pushsvc.remotes")
 
 
@@ -40,6 +45,27 @@ def layout_of_agent(info: AgentInfo) -> Layout:
               for r in info.regions),
         info.blocks_per_logical,
     )
+
+
+def worker_view(info: AgentInfo, bases: list[int]) -> Layout:
+    """D's worker KV as ``info.ipc`` describes it, at the addresses of its buffers mapped
+    here (``bases``): region ``i`` keeps ``info.regions[i]``'s block length, group and
+    heads. LayoutError where a region lies outside its buffer."""
+    ipc = info.ipc
+    assert ipc is not None
+    if len(ipc.regions) != len(info.regions):
+        raise LayoutError(f"{len(ipc.regions)} regions of worker KV for {len(info.regions)} advertised regions")
+    regions = []
+    for r, w in zip(info.regions, ipc.regions):
+        if w.buffer >= len(ipc.buffers):
+            raise LayoutError(f"a region names buffer {w.buffer}, only {len(ipc.buffers)} sent")
+        stride = w.block_stride or r.block_len
+        end = w.offset + (w.num_blocks - 1) * stride + r.block_len
+        if end > ipc.buffers[w.buffer].size:
+            raise LayoutError(f"a region ends at {end}, past buffer {w.buffer} of {ipc.buffers[w.buffer].size} bytes")
+        regions.append(RegionSpec(bases[w.buffer] + w.offset, r.block_len, w.num_blocks, stride, r.group, r.heads,
+                                  r.replicated))
+    return Layout(tuple(regions), info.blocks_per_logical)
 
 
 def view_of(info: AgentInfo, rank: int, tp_size: int, layers: tuple[LayerKey, ...] | None = None) -> Layout:
@@ -78,6 +104,10 @@ def registration_error(engine_id: str, info: AgentInfo, reg: PushReg, rank: int,
         return ("push_reg_tp", tp.refusal(tp_size, info.tp_size)
                 or f"D rank {info.rank} of TP {info.tp_size} does not take KV from P rank {rank} of TP {tp_size}")
     try:
+        if reg.ipc:  # the blocks are the worker's (same-host push), not those the agent advertised
+            if info.ipc is None:
+                return "push_reg_ipc", "PUSH_REG asks for a copy into KV its agent did not offer"
+            described = worker_view(info, [0] * len(info.ipc.buffers))
         check_block_ids(described if described is not None else layout_of_agent(info), reg.local_block_ids,
                         "PUSH_REG")
     except LayoutError as exc:
@@ -100,12 +130,16 @@ class RemoteAgents:
         self._dlists: dict[str, DListHandle] = {}  # remote agent -> prepared list
         self._verdicts: dict[str, str] = {}  # remote agent -> "" (fits) or why not
         self._layouts: dict[str, Layout] = {}  # remote agent -> its layout, once it fits
+        # P with CUDA KV: same-host D agents whose worker KV it maps (set once the rank's KV
+        # is registered; ``server/ipcpush.py``). Loaded and unloaded with the agents.
+        self.ipc: IpcTargets | None = None
 
-    def load(self, info: AgentInfo) -> None:
-        """Load ``info`` unless it is loaded already; a failure is kept as its verdict."""
+    def load(self, info: AgentInfo) -> bool:
+        """Load ``info`` unless it is loaded already; a failure is kept as its verdict.
+        True if its worker KV was mapped now (a same-host D: P tells D it may ask)."""
         name = info.agent_name
         if name in self._loaded:
-            return
+            return self._map(info)
         loaded = ""
         try:
             blocks = sum(r.num_blocks for r in info.regions)
@@ -120,6 +154,7 @@ class RemoteAgents:
             self._loaded.add(name)
             self._verdicts.pop(name, None)
             self._layouts.pop(name, None)
+            return self._map(info)
         except (TransferError, LayoutError, MemoryError) as exc:
             if loaded and loaded not in self._loaded:
                 try:  # loaded, but unusable: do not keep NIXL's copy either
@@ -128,6 +163,10 @@ class RemoteAgents:
                     pass
             self._verdicts[name] = f"cannot load remote agent: {exc}"
             log.warning("remote_agent_load_failed", local=self._agent.name, agent=name, error=str(exc))
+            return False
+
+    def _map(self, info: AgentInfo) -> bool:
+        return self.ipc is not None and info.ipc is not None and self.ipc.load(info)
 
     def layout(self, info: AgentInfo, local: Layout) -> Layout:
         """The remote's layout, checked against ``local`` once per remote agent (and
@@ -167,6 +206,8 @@ class RemoteAgents:
         return list(self._loaded)
 
     def unload(self, name: str) -> None:
+        if self.ipc is not None:
+            self.ipc.unload(name)
         handle = self._dlists.pop(name, None)
         self._verdicts.pop(name, None)
         self._layouts.pop(name, None)

@@ -29,6 +29,7 @@ from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
+from pushsvc.server.ipcpush import copies_settled, launch_ipc, plan_ipc
 from pushsvc.server.layerwise import Layerwise
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerLink
@@ -323,10 +324,29 @@ class Sender:
             self._write(rank, match, peer)
 
     def _write(self, rank: Rank, match: Match, peer: Peer) -> None:
-        if self.staging.applies(rank):  # copy into staging slots first; _post once copied
+        if match.registration.reg.ipc:  # same-host push: P copies into D's KV itself
+            self._copy_into(rank, match, peer)
+        elif self.staging.applies(rank):  # copy into staging slots first; _post once copied
             self.staging.start(rank, match, peer)
         else:
             self._post(rank, match, peer, None, "")
+
+    def _copy_into(self, rank: Rank, match: Match, peer: Peer) -> None:
+        """Same-host push: P's copies into D's mapped KV (``server/ipcpush.py``), then the
+        completion notification once they finished (``poll``)."""
+        sender = match.registration.sender
+        plan, kind, reason = plan_ipc(rank, match, peer.agents.get(sender), peer.heard_at, self._settings.verify)
+        if plan is None:
+            self._fail_push(rank, match, peer, kind, reason)
+            return
+        self._timelines.mark(rank, SEND, match.request_id, "write_planned")
+        self._peers.send(peer, plan.announce)
+        write, error = launch_ipc(rank, match, plan, sender, self._now())
+        if write is None:
+            self._fail_push(rank, match, peer, "write_submit_failed", error)
+        else:
+            self._metrics.ipc_copies.inc()
+            self._posted(rank, write, peer, 0)  # no NIXL part: copies on the device
 
     def _post(self, rank: Rank, match: Match, peer: Peer, slot_ids: list[list[int]] | None, staged: str) -> None:
         """Plan and post ``match``'s WRITE: from the worker's blocks, or (``staged``: the
@@ -370,17 +390,20 @@ class Sender:
         if not handles:
             self._unposted(rank, match, peer, staged, "write_submit_failed", failed)
             return
-        now = self._now()
-        self._metrics.match_wait_seconds.observe(now - match.staged.staged_at)
-        self._metrics.write_parts.inc(len(handles))
-        write = Write(match, handles, target.agent_name, push.plan.nbytes, now, started,
+        write = Write(match, handles, target.agent_name, push.plan.nbytes, self._now(), started,
                       failed=("write_submit_failed", failed) if failed else None, staged=staged, sliced=sliced)
+        self._posted(rank, write, peer, len(handles), descriptors=len(push.plan.src_indices))
+        self._settle_parts(rank, write, states, post=False)  # a next slice goes in the next pass
+
+    def _posted(self, rank: Rank, write: Write, peer: Peer, parts: int, **details: int) -> None:
+        match = write.match
+        self._metrics.match_wait_seconds.observe(write.posted_at - match.staged.staged_at)
+        self._metrics.write_parts.inc(parts)
         self._of(rank).writes[match.request_id] = write
         self._timelines.mark(rank, SEND, match.request_id, "write_posted")
-        self._metrics.transfer_blocks.inc(push.plan.logical_blocks)
-        log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=push.plan.nbytes,
-                  descriptors=len(push.plan.src_indices), parts=len(handles))
-        self._settle_parts(rank, write, states, post=False)  # a next slice goes in the next pass
+        self._metrics.transfer_blocks.inc(sum(len(ids) for ids in match.registration.reg.local_block_ids))
+        log.debug("write_posted", request_id=match.request_id, peer=peer.engine_id, bytes=write.nbytes, parts=parts,
+                  copies=len(write.copies), **details)
         self._wake()
 
     def _unposted(self, rank: Rank, match: Match, peer: Peer, staged: str, kind: str, reason: str) -> None:
@@ -418,6 +441,8 @@ class Sender:
             return
         self.layerwise.poll(rank)  # a GPU worker's layers, final once its events say so
         for write in list(state.writes.values()):
+            if write.copies and not copies_settled(rank.agent, write):
+                continue
             self._settle_parts(rank, write, [rank.agent.state(h) for h in write.handles])
         self.staging.poll(rank)
 

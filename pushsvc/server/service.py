@@ -24,6 +24,7 @@ from pushsvc.peer_hosts import PeerHostPolicy
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
+from pushsvc.server.ipcpush import IpcTargets, host_id
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerManager, PeerSettings
 from pushsvc.server.progress import Pace
@@ -51,8 +52,9 @@ class PushService:
         self.config = config
         self.engine = engine
         self.devmem = devmem
+        self._host = host_id() if config.ipc_push == "auto" else ""  # same-host push offered and taken
         self._memory_settings = MemorySettings(landing_bytes=config.landing_mib * MiB,
-                                               staging_bytes=config.staging_mib * MiB)
+                                               staging_bytes=config.staging_mib * MiB, ipc_host=self._host)
         self.metrics = metrics
         self.daemon_id = daemon_id or uuid.uuid4().hex
         self.ranks = RankRegistry()
@@ -165,6 +167,9 @@ class PushService:
         rank.memory = memory = map_kv(msg, fds, agent=rank.agent, role=rank.role, devmem=self.devmem,
                                       settings=self._memory_settings)
         rank.remotes.layers = keys(r.layer_names for r in msg.regions)  # used by a pipeline stage's rank
+        if (rank.role == "producer" and self._host and memory.vram is not None and rank.stages == 1
+                and not memory.layer_events):  # copies into same-host Ds' KV itself
+            rank.remotes.ipc = IpcTargets(memory.vram, memory.layout, self._host, self.metrics.failures)
         slots = memory.landing.geometry.slots if memory.landing is not None else 0
         if slots:
             self.receiver.landing.attach(rank)
@@ -235,6 +240,11 @@ class PushService:
         if self.ranks.current.get(rank.source) is rank:
             del self.ranks.current[rank.source]
         rank.conn = None
+        if rank.memory is not None and rank.memory.ipc is not None:  # P daemons let go of its worker's KV
+            for peer in self.peers.peers.values():
+                if rank.agent.name in peer.ipc_ready:
+                    peer.ipc_ready.discard(rank.agent.name)
+                    self.peers.send(peer, pp.IpcWithdrawn(agent_name=rank.agent.name))
         # Registrations D sent to the old worker's agent will never be served: D
         # fails them now rather than at its watchdog.
         self.sender.refuse_registrations(rank, f"P worker restarted: {reason}")
@@ -295,8 +305,8 @@ class PushService:
                 if joint and info.tp_size != rank.tp_size:
                     continue
                 if tp.pairs(rank.number, rank.tp_size, info.rank, info.tp_size) and tp.direct(
-                        rank.role, rank.tp_size, info.tp_size, info.members):
-                    rank.remotes.load(info)
+                        rank.role, rank.tp_size, info.tp_size, info.members) and rank.remotes.load(info):
+                    self.peers.send(peer, pp.IpcReady(agent_name=info.agent_name))  # D may now ask
 
     def peer_down(self, peer: Peer) -> None:
         self.receiver.peer_down(peer)
@@ -325,6 +335,30 @@ class PushService:
     def write_started(self, peer: Peer, msg: pp.WriteStarted) -> None:
         self.receiver.write_started(peer, msg, self._d_ranks(msg.rank))
 
+    def ipc_ready(self, peer: Peer, msg: pp.IpcReady) -> None:
+        """P mapped the worker KV of our agent ``msg.agent_name``: that rank's registrations
+        with P may ask P to copy into it (``PushReg.ipc``). Only an agent of ours that
+        offered its KV counts."""
+        if not any(r.agent.name == msg.agent_name and r.memory is not None and r.memory.ipc is not None
+                   for r in self.ranks.current.values()):
+            self.metrics.malformed.labels("side_channel", "ipc_ready").inc()
+            log.warning("malformed_input", source="side_channel", reason="ipc_ready", peer=peer.engine_id,
+                        error=f"IpcReady for {msg.agent_name[:200]!r}, which offered no KV")
+            return
+        peer.ipc_ready.add(msg.agent_name)
+        log.info("ipc_ready", peer=peer.engine_id, agent=msg.agent_name)
+
+    def ipc_withdrawn(self, peer: Peer, msg: pp.IpcWithdrawn) -> None:
+        """D retired its agent ``msg.agent_name``: its worker KV is unmapped once no copy
+        into it is in flight (``progress``)."""
+        if msg.agent_name not in peer.agents:  # only a peer's own agents
+            self.metrics.malformed.labels("side_channel", "ipc_withdrawn").inc()
+            return
+        for rank in self.ranks.all():
+            if rank.remotes.ipc is not None:
+                rank.remotes.ipc.withdraw(msg.agent_name)
+        log.info("ipc_withdrawn", peer=peer.engine_id, agent=msg.agent_name)
+
     # ================================================================ progress
 
     def progress(self, now: float) -> Pace:
@@ -341,6 +375,8 @@ class PushService:
         self.receiver.poll()
         for rank in ranks:
             busy = self.sender.writes_to(rank)
+            if rank.remotes.ipc is not None:
+                rank.remotes.ipc.reap(busy)
             for name in rank.remotes.names():
                 if name not in busy and self.peers.find_agent(name) is None:
                     rank.remotes.unload(name)

@@ -129,6 +129,10 @@ class Write:
     # completion goes once all of it landed (``server/layerwise.py``).
     layered: LayerPost | None = None
     sliced: SlicedPost | None = None  # from host memory, a slice per loop pass
+    # Same-host push (``server/ipcpush.py``): P's copies into D's KV, not NIXL parts, and
+    # the completion notification sent once they finished.
+    copies: list = field(default_factory=list)
+    note: bytes = b""
 
     @property
     def waiting_for_layers(self) -> bool:

@@ -82,6 +82,7 @@ class PendingRecv:
     digests: dict[str, bytes] = field(default_factory=dict)  # verify mode: each source's, from WriteStarted
     # A pipeline-parallel P's: each source's regions' layers (what of D's blocks it writes).
     layers: dict[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
+    ipc: bool = False  # P copies into the worker's blocks itself (same-host push): no landing slots
 
     @property
     def flat_block_ids(self) -> list[int]:

@@ -51,7 +51,11 @@ class Spawner:
         self.workers: list[GpuWorker] = []
 
     def daemon(self, engine_id: str, *extra: str) -> DaemonProc:
-        d = start_daemon(self.base, engine_id, *GPU_FLAGS, *extra, timeout=120)
+        """A daemon on the GPU; same-host push off unless ``extra`` turns it on (``--ipc-push
+        auto``): the landing path is what most tests exercise, and it is the only path
+        between hosts."""
+        ipc = () if "--ipc-push" in extra else ("--ipc-push", "off")
+        d = start_daemon(self.base, engine_id, *GPU_FLAGS, *ipc, *extra, timeout=120)
         self.daemons.append(d)
         return d
 

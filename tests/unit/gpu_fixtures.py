@@ -49,12 +49,17 @@ class GpuWorker(Worker):
 @contextlib.asynccontextmanager
 async def gpu_pair(*, p_blocks: int = 8, d_blocks: int = 16, block_len: int = BIG_BLOCK, landing_mib: int = 4,
                    part_mib: int = 0, copy_polls: int = 1, p_config: dict[str, Any] | None = None,
-                   d_config: dict[str, Any] | None = None) -> AsyncIterator[tuple[PushPair, FakeDeviceMemory]]:
+                   d_config: dict[str, Any] | None = None, ipc: bool = False
+                   ) -> AsyncIterator[tuple[PushPair, FakeDeviceMemory]]:
+    """``ipc``: same-host push on (both daemons see the same host); off, P always WRITEs."""
     fake = FakeEngine()
     devmem = FakeDeviceMemory(copy_polls=copy_polls)
     devmem.add_device(UUID)
-    async with running_daemon(fake, P_ENGINE, devmem=devmem, write_part_mib=part_mib, **(p_config or {})) as p, \
-            running_daemon(fake, D_ENGINE, devmem=devmem, landing_mib=landing_mib, **(d_config or {})) as d:
+    mode = "auto" if ipc else "off"
+    async with running_daemon(fake, P_ENGINE, devmem=devmem, write_part_mib=part_mib,
+                              **{"ipc_push": mode, **(p_config or {})}) as p, \
+            running_daemon(fake, D_ENGINE, devmem=devmem, landing_mib=landing_mib,
+                           **{"ipc_push": mode, **(d_config or {})}) as d:
         pw, dw = GpuWorker(p, "producer", devmem), GpuWorker(d, "consumer", devmem)
         try:
             await pw.start(p_blocks, block_len, seed=1)

@@ -49,6 +49,12 @@ class Events:
     def write_started(self, peer: Any, msg: Any) -> None:
         self.other.append("write_started")
 
+    def ipc_ready(self, peer: Any, msg: Any) -> None:
+        self.other.append("ipc_ready")
+
+    def ipc_withdrawn(self, peer: Any, msg: Any) -> None:
+        self.other.append("ipc_withdrawn")
+
 
 AGENT = pp.AgentInfo(rank=0, tp_size=1, agent_name="x/r0", metadata=b"NIXL-METADATA" * 8,
                      regions=[pp.RegionInfo(base=0x7F0000000000, block_len=4096, num_blocks=16)])

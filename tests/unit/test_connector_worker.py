@@ -325,6 +325,28 @@ async def test_lost_connection_holds_requests_until_no_daemon_listens(base, sile
 
 
 @pytest.mark.asyncio
+async def test_with_cuda_kv_ds_held_requests_wait_out_the_grace_ps_go_at_once(base, silent_port,
+                                                                              monkeypatch) -> None:
+    """A same-host P daemon may still copy into D's blocks after D's daemon went away (it
+    copies only while it heard from D's daemon within its fence): D's held requests keep
+    their blocks for ``IPC_RELEASE_GRACE_S``; P's, which nothing writes into, go at once."""
+    from pushsvc_connector import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "IPC_RELEASE_GRACE_S", 0.6)
+    monkeypatch.setattr(KVShare, "kind", property(lambda self: "cuda"))
+    async with _in_flight(base, silent_port) as (daemon, worker):
+        await _vanish(daemon)
+        assert _notice_loss(worker) == (set(), set())
+        gone = time.monotonic()
+        sending, recving = await _step_off_loop(worker, lambda s, r: s == {"sent"}, "P's release")
+        assert recving == set() and time.monotonic() - gone < 0.6
+        sending, recving = await _step_off_loop(worker, lambda s, r: r == {"waiting"}, "D's release after the grace")
+        assert time.monotonic() - gone >= 0.6, "D's blocks went back before the grace ran out"
+        assert worker.take_load_errors() == {7}
+        assert _counts(worker)["released_requests"] == {"daemon_gone": 2}
+
+
+@pytest.mark.asyncio
 async def test_refused_connect_releases_held_requests(base, silent_port) -> None:
     """A killed daemon leaves its socket file behind: connecting is refused (ECONNREFUSED)."""
     async with _in_flight(base, silent_port) as (daemon, worker):

@@ -44,6 +44,13 @@ PEER_MESSAGES = [
     peer.CancelPush(request_id="cmpl-abc-0-deadbeef", rank=1),
     peer.PushCancelled(request_id="cmpl-abc-0-deadbeef", rank=1),
     peer.WriteStarted(request_id="cmpl-abc-0-deadbeef", rank=1, nbytes=1 << 20),
+    peer.AgentsUpdate(agents=[msgspec.structs.replace(AGENT, ipc=peer.IpcKV(
+        host="8f1c2d3e-0000-4000-8000-000000000001", device=bytes(range(16)),
+        buffers=[peer.IpcBuffer(handle=bytes(64), size=1 << 30)],
+        regions=[peer.IpcRegion(buffer=0, offset=0, num_blocks=900),
+                 peer.IpcRegion(buffer=0, offset=1 << 20, num_blocks=3, block_stride=128)]))]),
+    peer.IpcReady(agent_name="decode-0/r1/abcd.3"),
+    peer.IpcWithdrawn(agent_name="decode-0/r1/abcd.3"),
     peer.Heartbeat(seq=12),
     peer.Heartbeat(),
     peer.Goodbye(reason="shutdown"),
@@ -59,6 +66,8 @@ PEER_TAGS = {
     peer.CancelPush: "cancel",
     peer.PushCancelled: "cancelled",
     peer.WriteStarted: "writing",
+    peer.IpcReady: "ipc_ready",
+    peer.IpcWithdrawn: "ipc_withdrawn",
     peer.Heartbeat: "hb",
     peer.Goodbye: "bye",
     peer.AuthChallenge: "auth_challenge",
@@ -170,6 +179,22 @@ def test_a_cpu_agent_encodes_as_before_1_3() -> None:
     assert set(unpack(pack(cpu))) == {"rank", "tp_size", "agent_name", "metadata", "regions"}
     gpu = msgspec.structs.replace(cpu, mem_type="VRAM", device=1, parts=True)
     assert {"device", "parts"} <= set(unpack(pack(gpu)))
+
+
+@pytest.mark.parametrize("change", [{"handle": bytes(63)}, {"handle": bytes(65)}, {"size": 0}, {"size": 2**48 + 1}])
+def test_ipc_buffer_bounds(change: dict) -> None:
+    raw = {**msgspec.to_builtins(peer.IpcBuffer(handle=bytes(64), size=1)), **change}
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(pack(raw), type=peer.IpcBuffer)
+
+
+@pytest.mark.parametrize("change", [{"device": bytes(15)}, {"buffers": [{"handle": bytes(64), "size": 1}] * 16385},
+                                    {"regions": [{"buffer": 16384, "offset": 0, "num_blocks": 1}]},
+                                    {"regions": [{"buffer": 0, "offset": 0, "num_blocks": 0}]}])
+def test_ipc_kv_bounds(change: dict) -> None:
+    raw = {**msgspec.to_builtins(peer.IpcKV(host="h", device=bytes(16), buffers=[], regions=[])), **change}
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(pack(raw), type=peer.IpcKV)
 
 
 @pytest.mark.parametrize("change", [{"device": -1}, {"device": 1024}, {"parts": "yes"}])

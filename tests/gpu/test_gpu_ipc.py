@@ -1,0 +1,123 @@
+"""Same-host push on the GPU (``ipc_push = "auto"``): P's daemon maps D's worker KV and
+copies each request's blocks into it with one kernel, no NIXL WRITE and no landing copy.
+Bytes exact at the mapped blocks and nowhere else, for several KV layouts, with verify;
+kill -9 of either daemon with the workers up; the D worker's memory let go when it leaves."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import signal
+import time
+
+import pytest
+from conftest import Spawner
+from test_gpu_push import D_BLOCKS, LAYERS, P_BLOCKS, _free_gpu_memory, _plan, _push_and_check, _recv, _send, _wait
+
+IPC = ("--ipc-push", "auto")
+_MEETINGS = itertools.count()
+
+
+def _ipc_ready(d_daemon, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(p["ipc_ready"] for p in d_daemon.live_info()["peers"]):
+        assert time.monotonic() < deadline, "P never told D it mapped D's KV"
+        time.sleep(0.01)
+
+
+def _meet(p, d, p_daemon, d_daemon) -> None:
+    """A first push (over NIXL: D does not know P yet), then P maps D's KV."""
+    rid = f"meet-{next(_MEETINGS)}"
+    _recv(d, p_daemon, [(rid, [D_BLOCKS - 1])])
+    _send(p, [(rid, [P_BLOCKS - 1])])
+    _wait(d, [rid])
+    _wait(p, [rid])
+    _ipc_ready(d_daemon)
+
+
+@pytest.mark.parametrize("layout", ["flash", "mla", "crosslayer"])
+def test_same_host_push_copies_exactly_into_ds_blocks(spawn: Spawner, layout: str) -> None:
+    p_daemon = spawn.daemon("prefill", *IPC, "--verify")
+    d_daemon = spawn.daemon("decode", *IPC, "--landing-mib", "512", "--verify")
+    p = spawn.worker(p_daemon, "producer", layout=layout, layers=LAYERS, blocks=P_BLOCKS, seed=31)
+    d = spawn.worker(d_daemon, "consumer", layout=layout, layers=LAYERS, blocks=D_BLOCKS, seed=32)
+    _meet(p, d, p_daemon, d_daemon)
+    landing, parts = d_daemon.metric("pushsvc_landing_copies_total"), p_daemon.metric("pushsvc_write_parts_total")
+    _push_and_check(p, d, p_daemon, _plan(random.Random(f"ipc-{layout}"), 6))
+    assert p_daemon.metric("pushsvc_ipc_copies_total") == 6
+    assert d_daemon.metric("pushsvc_landing_copies_total") == landing  # no landing copy
+    assert p_daemon.metric("pushsvc_write_parts_total") == parts  # no NIXL WRITE
+    assert d_daemon.metric("pushsvc_verify_total", result="identical") == 7  # "meet" and the six
+    info = p_daemon.live_info()
+    assert info["tables"]["inflight"] == 0 and info["nixl_handles"]["xfers"] == 0, info
+
+
+def test_contiguous_blocks_land_exactly(spawn: Spawner) -> None:
+    """A fresh prefill into a fresh D (both sides' blocks consecutive), with a prefix hit
+    and scattered ids beside it, in one batch."""
+    p_daemon = spawn.daemon("prefill", *IPC, "--verify")
+    d_daemon = spawn.daemon("decode", *IPC, "--landing-mib", "256", "--verify")
+    p = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=P_BLOCKS, seed=37)
+    d = spawn.worker(d_daemon, "consumer", layout="flash", layers=LAYERS, blocks=D_BLOCKS, seed=38)
+    _meet(p, d, p_daemon, d_daemon)
+    plan = [("run-0", list(range(0, 40)), list(range(60, 100))),
+            ("run-1", list(range(40, 100)), list(range(0, 48))),  # a prefix hit: P's last 48
+            ("run-2", [120, 105, 133], [110, 55, 50])]
+    _push_and_check(p, d, p_daemon, plan)
+    assert p_daemon.metric("pushsvc_ipc_copies_total") == 3
+    assert d_daemon.metric("pushsvc_verify_total", result="identical") == 4
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_kill_9_and_restart_under_same_host_push(spawn: Spawner, side: str) -> None:
+    args = {"prefill": (*IPC, "--lease-s", "20"), "decode": (*IPC, "--landing-mib", "512")}
+    daemons = {name: spawn.daemon(name, *extra) for name, extra in args.items()}
+    p = spawn.worker(daemons["prefill"], "producer", blocks=P_BLOCKS, seed=33)
+    d = spawn.worker(daemons["decode"], "consumer", blocks=D_BLOCKS, seed=34)
+    _meet(p, d, daemons["prefill"], daemons["decode"])
+    _push_and_check(p, d, daemons["prefill"], _plan(random.Random(4), 4))
+    free_before = _free_gpu_memory([p, d])
+    load = [(f"load-{i}", list(range(i * 8, i * 8 + 8)), list(range(i * 8, i * 8 + 8))) for i in range(12)]
+    _recv(d, daemons["prefill"], [(rid, dd) for rid, _, dd in load])
+    _send(p, [(rid, pp) for rid, pp, _ in load])
+    old_id = daemons[side].info["daemon_id"]
+    daemons[side].proc.send_signal(signal.SIGKILL)
+    daemons[side].proc.wait(30)
+    new, started_s = spawn.restart(daemons[side], *args[side])
+    worker = p if side == "prefill" else d
+    back = worker.call("until_connected", old=old_id, timeout=30)
+    assert back["connected"] and back["daemon_id"] == new.info["daemon_id"]
+    print(f"\n{side} daemon kill -9 under same-host push -> restarted in {started_s:.2f} s")
+    daemons[side] = new
+    _wait(d, [rid for rid, _, _ in load], timeout=90)  # every request ends, none hangs
+    _wait(p, [rid for rid, _, _ in load], timeout=90)
+    _meet(p, d, daemons["prefill"], daemons["decode"])
+    _push_and_check(p, d, daemons["prefill"], _plan(random.Random(5), 4))
+    assert daemons["prefill"].metric("pushsvc_ipc_copies_total") >= 3
+    free_after = _free_gpu_memory([p, d])
+    for w, name in ((p, "P's"), (d, "D's")):
+        assert abs(free_after[w] - free_before[w]) < 256 << 20, (
+            f"{(free_before[w] - free_after[w]) >> 20} MiB of {name} GPU not given back after the {side} restart")
+    for daemon in daemons.values():
+        info = daemon.live_info()
+        assert info["tables"]["inflight"] == 0 and info["nixl_handles"]["xfers"] == 0, info
+        assert info["gpu"]["landing_slots"]["used"] == 0, info
+
+
+def test_p_lets_go_of_ds_kv_when_ds_worker_leaves(spawn: Spawner) -> None:
+    """A mapping P kept would hold the D worker's GPU memory after it exited."""
+    p_daemon = spawn.daemon("prefill", *IPC)
+    d_daemon = spawn.daemon("decode", *IPC, "--landing-mib", "128")
+    p = spawn.worker(p_daemon, "producer", blocks=P_BLOCKS, seed=35)
+    own = p_daemon.live_info()["gpu"]["imported"]  # P's worker KV
+    for cycle in range(3):
+        d = spawn.worker(d_daemon, "consumer", blocks=D_BLOCKS, seed=36 + cycle)
+        _meet(p, d, p_daemon, d_daemon)
+        _push_and_check(p, d, p_daemon, _plan(random.Random(cycle), 3))
+        assert p_daemon.live_info()["gpu"]["imported"] > own  # D's worker KV, mapped
+        d.close()
+        deadline = time.monotonic() + 20
+        while p_daemon.live_info()["gpu"]["imported"] != own and time.monotonic() < deadline:
+            time.sleep(0.1)
+        gpu = p_daemon.live_info()["gpu"]
+        assert gpu["imported"] == own and gpu["allocated"] == 0, gpu

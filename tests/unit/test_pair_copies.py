@@ -1,0 +1,49 @@
+"""The same-host push's copy plan (pure): P's and D's blocks paired per group, the pair
+table and what the kernel does with it, and the pairs it refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pushsvc.errors import LayoutError
+from pushsvc.state.landing import CopyPlan, check_pair_ids, copy_ranges
+from pushsvc.state.layout import Layout, RegionSpec, pair_blocks
+
+BLOCK = 1 << 19
+
+
+def _layout(base: int, blocks: int, stride: int = BLOCK, groups: tuple[int, ...] = (0, 0)) -> Layout:
+    return Layout(tuple(RegionSpec(base + i * (1 << 30), BLOCK, blocks, stride, g) for i, g in enumerate(groups)))
+
+
+def test_pairs_take_ps_last_blocks_in_order_per_group() -> None:
+    p, d = _layout(0, 10, groups=(0, 1)), _layout(1 << 40, 20, groups=(0, 1))
+    pairs = pair_blocks(p, d, [[1, 2, 3], [4, 5]], [[7, 8], [9, 0]])
+    assert [(g, s.tolist(), t.tolist()) for g, s, t in pairs.groups] == [(0, [2, 3], [7, 8]), (1, [4, 5], [9, 0])]
+    assert pairs.nbytes == 4 * BLOCK and pairs.logical_blocks == 4
+    with pytest.raises(LayoutError, match="remote asks for 3 blocks, only 2 exist"):
+        pair_blocks(p, d, [[1, 2]], [[1, 2, 3]])
+
+
+def test_the_pair_plan_copies_what_the_host_reference_says() -> None:
+    p, d = _layout(0, 10), _layout(1 << 40, 20)
+    plan = CopyPlan.build_pairs(p, d)
+    assert plan.pairs and plan.mode == 2 and plan.table[0, :7].tolist() == [0, BLOCK, 10, 1 << 40, BLOCK, 20, BLOCK]
+    src, dst, n = copy_ranges(plan, 0, 2, np.array([3, 0]), np.array([19, 4]))
+    assert src.tolist() == [3 * BLOCK, (1 << 30) + 3 * BLOCK, 0, 1 << 30]
+    assert dst.tolist() == [(1 << 40) + 19 * BLOCK, (1 << 40) + (1 << 30) + 19 * BLOCK, (1 << 40) + 4 * BLOCK,
+                            (1 << 40) + (1 << 30) + 4 * BLOCK]
+    assert n.tolist() == [BLOCK] * 4
+
+
+@pytest.mark.parametrize("src, dst, why", [
+    ([10], [0], "source block 10 outside P's KV"),
+    ([0], [20], "destination block 20 outside D's KV"),
+    ([-1], [0], "source block"),
+    ([0, 1], [0], "2 source blocks for 1 destination blocks"),
+])
+def test_pairs_out_of_either_kv_are_refused(src: list[int], dst: list[int], why: str) -> None:
+    plan = CopyPlan.build_pairs(_layout(0, 10), _layout(1 << 40, 20))
+    assert why in check_pair_ids(plan, 0, 2, np.array(src), np.array(dst))
+    assert check_pair_ids(plan, 0, 2, np.array([9]), np.array([19])) == ""
