@@ -226,6 +226,23 @@ def dest_indices(dst: Layout, dst_blocks: list[list[int]]) -> np.ndarray:
 
 
 
+def _tails(src: Layout, dst: Layout, src_blocks: list[list[int]], dst_blocks: list[list[int]], paired: int):
+    """Per group with blocks to move, in order of its first region: (group, its regions
+    below ``paired``, P's physical blocks, D's), D's blocks taking P's last ones in order (a
+    prefix hit on D). D asking for more blocks than P has is an error."""
+    for g, regs in src._columns.by_group.items():
+        regs = regs[regs < paired]
+        if not len(regs):
+            continue
+        s_ids = src_blocks[g] if g < len(src_blocks) else []
+        d_ids = dst_blocks[g] if g < len(dst_blocks) else []
+        if len(d_ids) > len(s_ids):
+            raise LayoutError(f"group {g}: remote asks for {len(d_ids)} blocks, only {len(s_ids)} exist")
+        if d_ids:
+            yield g, regs, _expand(s_ids[len(s_ids) - len(d_ids):], src.blocks_per_logical), _expand(
+                d_ids, dst.blocks_per_logical)
+
+
 def plan_write(
     src: Layout, dst: Layout, src_blocks: list[list[int]], dst_blocks: list[list[int]]
 ) -> WritePlan:
@@ -243,18 +260,7 @@ def plan_write(
     # them in all of its regions at once (one array operation per group, not per region).
     pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (regions, src, dst) per group, a row per region
     counts = np.zeros(len(dst.regions), dtype=np.int64)  # pairs per region
-    for g, regs in s_cols.by_group.items():
-        regs = regs[regs < paired]
-        if not len(regs):
-            continue
-        s_ids = src_blocks[g] if g < len(src_blocks) else []
-        d_ids = dst_blocks[g] if g < len(dst_blocks) else []
-        if len(d_ids) > len(s_ids):
-            raise LayoutError(f"group {g}: remote asks for {len(d_ids)} blocks, only {len(s_ids)} exist")
-        if not d_ids:
-            continue
-        s_phys = _expand(s_ids[len(s_ids) - len(d_ids):], src.blocks_per_logical)
-        d_phys = _expand(d_ids, dst.blocks_per_logical)
+    for g, regs, s_phys, d_phys in _tails(src, dst, src_blocks, dst_blocks, paired):
         counts[regs] = len(d_phys)
         pieces.append((regs, s_cols.offsets[regs].astype(np.int32)[:, None] + s_phys,
                        d_cols.offsets[regs].astype(np.int32)[:, None] + d_phys))
@@ -293,17 +299,8 @@ def pair_blocks(src: Layout, dst: Layout, src_blocks: list[list[int]], dst_block
     blocks than P has is an error. The layouts were found compatible, and both sides' ids
     checked (``check_block_ids``), before: this is on the path of every same-host push."""
     groups, nbytes = [], 0
-    per_group = src._columns.by_group
-    for g, regs in per_group.items():
-        s_ids = src_blocks[g] if g < len(src_blocks) else []
-        d_ids = dst_blocks[g] if g < len(dst_blocks) else []
-        if len(d_ids) > len(s_ids):
-            raise LayoutError(f"group {g}: remote asks for {len(d_ids)} blocks, only {len(s_ids)} exist")
-        if not d_ids:
-            continue
-        s_phys = _expand(s_ids[len(s_ids) - len(d_ids):], src.blocks_per_logical).astype(np.int64)
-        d_phys = _expand(d_ids, dst.blocks_per_logical).astype(np.int64)
-        groups.append((int(g), s_phys, d_phys))
+    for g, regs, s_phys, d_phys in _tails(src, dst, src_blocks, dst_blocks, len(src.regions)):
+        groups.append((int(g), s_phys.astype(np.int64), d_phys.astype(np.int64)))
         nbytes += len(d_phys) * int(src._columns.block_lens[regs].sum())
     logical = sum(len(ids) for ids in dst_blocks)
     return BlockPairs(tuple(groups), nbytes, logical)
