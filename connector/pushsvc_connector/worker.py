@@ -15,7 +15,9 @@ decides about them:
 
 * nothing listening on the socket (ENOENT, ECONNREFUSED): the process that owned the
   NIXL registration is gone and nothing can land any more; held requests are released
-  (D's as failed loads, so vLLM fails or recomputes them; P's as finished sending);
+  (D's as failed loads, so vLLM fails or recomputes them; P's as finished sending). With
+  CUDA KV, D's only after ``IPC_RELEASE_GRACE_S``: a same-host P daemon may be copying
+  into them itself;
 * a daemon with another ``daemon_id``: a new incarnation, likewise;
 * the same daemon: they stay held; it delivers their final events (``RecvDone`` ...
   ``SendFailed``) to the new connection of the same rank from the same pid.
