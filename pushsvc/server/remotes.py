@@ -134,12 +134,12 @@ class RemoteAgents:
         # is registered; ``server/ipcpush.py``). Loaded and unloaded with the agents.
         self.ipc: IpcTargets | None = None
 
-    def load(self, info: AgentInfo) -> bool:
+    def load(self, info: AgentInfo, map_kv: bool = True) -> bool:
         """Load ``info`` unless it is loaded already; a failure is kept as its verdict.
-        True if its worker KV was mapped now (a same-host D: P tells D it may ask)."""
+        True if its worker KV was mapped now (a same-host D, ``map_kv``: P tells D it may ask)."""
         name = info.agent_name
         if name in self._loaded:
-            return self._map(info)
+            return map_kv and self._map(info)
         loaded = ""
         try:
             blocks = sum(r.num_blocks for r in info.regions)
@@ -154,7 +154,7 @@ class RemoteAgents:
             self._loaded.add(name)
             self._verdicts.pop(name, None)
             self._layouts.pop(name, None)
-            return self._map(info)
+            return map_kv and self._map(info)
         except (TransferError, LayoutError, MemoryError) as exc:
             if loaded and loaded not in self._loaded:
                 try:  # loaded, but unusable: do not keep NIXL's copy either

@@ -24,7 +24,7 @@ from pushsvc.peer_hosts import PeerHostPolicy
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
-from pushsvc.server.ipcpush import IpcTargets, host_id
+from pushsvc.server.ipcpush import IPC_FENCE_S, IpcTargets, host_id
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerManager, PeerSettings
 from pushsvc.server.progress import Pace
@@ -299,13 +299,15 @@ class PushService:
         # A rank loads only the peer's agents it pairs with: rank r with the peer's rank r
         # at equal TP; with P TP = k x D TP, D rank j with P ranks jk..jk+k-1; with D TP
         # above P's, P rank i with D's joint agent i, which stands at P's TP (``state/tp``).
+        # A same-host D's worker KV is mapped only where its heartbeats keep P's fence open.
+        map_kv = peer.heartbeat_interval_s <= IPC_FENCE_S / 2
         for rank in ranks:
             joint = isinstance(rank, Joint)
             for info in agents:
                 if joint and info.tp_size != rank.tp_size:
                     continue
                 if tp.pairs(rank.number, rank.tp_size, info.rank, info.tp_size) and tp.direct(
-                        rank.role, rank.tp_size, info.tp_size, info.members) and rank.remotes.load(info):
+                        rank.role, rank.tp_size, info.tp_size, info.members) and rank.remotes.load(info, map_kv):
                     self.peers.send(peer, pp.IpcReady(agent_name=info.agent_name))  # D may now ask
 
     def peer_down(self, peer: Peer) -> None:
@@ -337,16 +339,19 @@ class PushService:
 
     def ipc_ready(self, peer: Peer, msg: pp.IpcReady) -> None:
         """P mapped the worker KV of our agent ``msg.agent_name``: that rank's registrations
-        with P may ask P to copy into it (``PushReg.ipc``). Only an agent of ours that
-        offered its KV counts."""
-        if not any(r.agent.name == msg.agent_name and r.memory is not None and r.memory.ipc is not None
-                   for r in self.ranks.current.values()):
+        with P may ask P to copy into it (``PushReg.ipc``). Only a current agent of ours that
+        offered its KV counts; for any other P hears ``IpcWithdrawn`` at once (a rank that
+        retired while P's word was on its way: P must not keep its worker's memory)."""
+        if any(r.agent.name == msg.agent_name and r.memory is not None and r.memory.ipc is not None
+               for r in self.ranks.current.values()):
+            peer.ipc_ready.add(msg.agent_name)
+            log.info("ipc_ready", peer=peer.engine_id, agent=msg.agent_name)
+            return
+        self.peers.send(peer, pp.IpcWithdrawn(agent_name=msg.agent_name))
+        if not any(r.agent.name == msg.agent_name for r in self.ranks.retiring):
             self.metrics.malformed.labels("side_channel", "ipc_ready").inc()
             log.warning("malformed_input", source="side_channel", reason="ipc_ready", peer=peer.engine_id,
                         error=f"IpcReady for {msg.agent_name[:200]!r}, which offered no KV")
-            return
-        peer.ipc_ready.add(msg.agent_name)
-        log.info("ipc_ready", peer=peer.engine_id, agent=msg.agent_name)
 
     def ipc_withdrawn(self, peer: Peer, msg: pp.IpcWithdrawn) -> None:
         """D retired its agent ``msg.agent_name``: its worker KV is unmapped once no copy

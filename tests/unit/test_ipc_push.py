@@ -119,6 +119,31 @@ async def test_an_ipc_ready_for_an_agent_that_offered_nothing_is_refused() -> No
 
 
 @pytest.mark.asyncio
+async def test_an_ipc_ready_that_crossed_the_ranks_retirement_gets_it_withdrawn() -> None:
+    """D's rank retires while P's IpcReady for it is on its way: D answers IpcWithdrawn, so
+    P does not keep the leaving worker's memory mapped."""
+    async with gpu_pair(ipc=True) as (pair, devmem):
+        await _warm(pair)
+        targets = pair.p.service.ranks.current[0].remotes.ipc
+        d_rank = pair.d.service.ranks.current[0]
+        peer = _p_peer_at_d(pair)
+        devmem.hold_copies = True  # P's copy stays in flight: the retiring rank stays around
+        pair.register_recv("held", [3])
+        pair.send_ready("held", [3])
+        await wait_until(lambda: pair.p.service.sender.writes_in_flight() == 1, "P's copy in flight")
+        peer.ipc_ready.discard(d_rank.agent.name)  # as if P's IpcReady had not arrived yet
+        pair.dw.close()  # the rank retires: no IpcWithdrawn, D thinks P never mapped it
+        await wait_until(lambda: d_rank in pair.d.service.ranks.retiring, "the rank retiring")
+        assert targets.get(d_rank.agent.name) is not None
+        pair.d.service.ipc_ready(peer, pp.IpcReady(agent_name=d_rank.agent.name))  # P's word arrives late
+        await wait_until(lambda: targets.get(d_rank.agent.name) is None, "P to withdraw the mapping")
+        assert metric(pair.d, "pushsvc_malformed_inputs_total", source="side_channel", reason="ipc_ready") == 0
+        assert len(targets) == 1  # still mapped while the copy into it runs
+        devmem.hold_copies = False
+        await wait_until(lambda: len(targets) == 0, "P to unmap D's worker KV")
+
+
+@pytest.mark.asyncio
 async def test_p_maps_nothing_of_an_offer_whose_region_lies_outside_its_buffer() -> None:
     async with gpu_pair(ipc=True) as (pair, _devmem):
         await _warm(pair)
@@ -170,3 +195,19 @@ async def test_an_old_p_never_hears_of_ds_kv() -> None:
         assert info.ipc is not None
         assert pp.announceable([info], pp.IPC_MINOR - 1)[0].ipc is None
         assert pp.announceable([info], pp.IPC_MINOR)[0].ipc == info.ipc
+
+
+@pytest.mark.asyncio
+async def test_a_d_whose_heartbeats_are_too_sparse_for_ps_fence_is_not_mapped() -> None:
+    """P copies only while it heard from D's daemon within 2.5 s: a D beating every 3 s
+    would fail most pushes at the fence, so P never maps its KV and it gets NIXL WRITEs."""
+    async with gpu_pair(ipc=True, d_config={"heartbeat_interval_s": 3.0}) as (pair, devmem):
+        pair.register_recv("first", [0])
+        pair.send_ready("first", [0])
+        await pair.dw.wait_for(wp.RecvDone, "first")
+        pair.register_recv("second", [1])
+        pair.send_ready("second", [1])
+        await pair.dw.wait_for(wp.RecvDone, "second")
+        assert not _p_peer_at_d(pair).ipc_ready and len(pair.p.service.ranks.current[0].remotes.ipc) == 0
+        assert devmem.device(bytes(range(16))).pair_copies == 0
+        assert metric(pair.d, "pushsvc_landing_copies_total") == 2
