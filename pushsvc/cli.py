@@ -334,9 +334,9 @@ def format_status(info: dict[str, Any], ready: dict[str, Any]) -> str:
             (f"{j['rank']}/{j['tp_size']}", j["agent"], ",".join(map(str, j["members"])), j["gathering"])
             for j in info["joints"]])
     lines.append("")
-    lines += _table(("peer", "daemon", "address", "authenticated", "agents"), [
+    lines += _table(("peer", "daemon", "address", "authenticated", "agents", "maps our KV"), [
         (p["engine_id"], p["daemon_id"][:8], f"{p['host']}:{p['port']}", _yes(p.get("authenticated")),
-         len(p["agents"])) for p in info["peers"]], empty="no peers")
+         len(p["agents"]), len(p.get("ipc_ready", ()))) for p in info["peers"]], empty="no peers")
     lines.append("")
     lines += _table(("tables", "entries"), list(info["tables"].items()))
     handles = info.get("nixl_handles") or {}

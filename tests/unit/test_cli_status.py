@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 from daemon_fixtures import Worker, free_tcp_port, push_pair, running_daemon, wait_until
+from gpu_fixtures import gpu_pair
 
 from pushsvc import cli
 from pushsvc.engine.fake import FakeEngine
+from pushsvc.protocol import worker as wp
 from pushsvc.server.daemon import Daemon
 
 TOKEN = "0123456789abcdef0123456789abcdef"
@@ -64,6 +66,22 @@ async def test_a_ready_pair_shows_ranks_peers_and_tables(capsys: pytest.CaptureF
         assert code == 0
         assert data["info"]["engine_id"] == pair.d.config.engine_id and data["ready"]["ready"] is True
         assert data["info"]["peers"][0]["engine_id"] == pair.p.config.engine_id
+
+
+@pytest.mark.asyncio
+async def test_a_d_shows_which_peers_map_its_kv_for_the_same_host_push(capsys: pytest.CaptureFixture[str]) -> None:
+    async with gpu_pair(ipc=True) as (pair, _devmem):
+        pair.register_recv("first", [0])
+        pair.send_ready("first", [0])
+        await pair.dw.wait_for(wp.RecvDone, "first")
+        await wait_until(lambda: any(p.ipc_ready for p in pair.d.service.peers.peers.values()), "P's IpcReady")
+        code, out, _ = await _status(capsys, "--url", _url(pair.d))
+        assert code == 0, out
+        (peer,) = _rows(out, "peer ")
+        assert peer[0].strip() == pair.p.config.engine_id and peer[-1].strip() == "1"  # our one rank's KV
+        code, out, _ = await _status(capsys, "--url", _url(pair.p))
+        (peer,) = _rows(out, "peer ")
+        assert peer[-1].strip() == "0"  # D maps nothing of P's
 
 
 @pytest.mark.asyncio
