@@ -155,9 +155,10 @@ def plan_ipc(rank: Rank, match: Match, target: pp.AgentInfo | None, heard_at: fl
     reason): not mapped, D's daemon not heard from within ``IPC_FENCE_S``, blocks that do
     not pair."""
     memory, reg, targets = rank.memory, match.registration.reg, rank.remotes.ipc
-    ipc = targets.get(target.agent_name) if targets is not None and target is not None else None
-    if memory is None or ipc is None or target is None:
-        why = targets.refused.get(target.agent_name, "") if targets is not None and target is not None else ""
+    known = targets if targets is not None and target is not None else None  # None: nothing to look up
+    ipc = known.get(target.agent_name) if known is not None else None
+    if memory is None or ipc is None:
+        why = known.refused.get(target.agent_name, "") if known is not None else ""
         return None, "ipc_unavailable", f"P has not mapped D's KV{': ' + why if why else ''}"
     silent = time.monotonic() - heard_at
     if silent > IPC_FENCE_S:  # D's daemon may be gone, and its worker may soon reuse the blocks
