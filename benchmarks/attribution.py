@@ -91,6 +91,27 @@ def medians(per_request: dict[str, dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def event_gaps(proxy: list[dict], p: list[dict], d: list[dict]) -> dict[str, list[float]]:
+    """Where the path between the two daemons goes, event by event: each request's P
+    (send side) and D (recv side) timelines merged in time order (one host, one clock), and
+    for every two events that follow one another there, the gap in ms, per request that
+    has them. Which events follow which varies between requests (D may hear
+    ``write_announced`` before or after P's ``write_posted``): each order is its own entry."""
+    ids = {line["request_id"] for line in proxy if line.get("side") == "proxy"}
+    sends = {_owner(t["request_id"], ids): t for t in p if t.get("side") == "send"}
+    recvs = {_owner(t["request_id"], ids): t for t in d if t.get("side") == "recv"}
+    out: dict[str, list[float]] = {}
+    for rid in ids:
+        send, recv = sends.get(rid), recvs.get(rid)
+        if send is None or recv is None:
+            continue
+        events = sorted([(_at(send, e), f"p.{e}") for e in send.get("events_ms", {})]
+                        + [(_at(recv, e), f"d.{e}") for e in recv.get("events_ms", {})])
+        for (ta, a), (tb, b) in zip(events, events[1:]):
+            out.setdefault(f"{a} -> {b}", []).append(round((tb - ta) * 1e3, 3))
+    return out
+
+
 def proxy_timelines(log_path: Path) -> list[dict]:
     """The proxy's ``request_timeline`` events from its JSON log."""
     out = []

@@ -7,7 +7,7 @@ prefill takes longer than the registration) until both workers heard of it: ``Se
 at P and ``RecvDone`` at D. That is what the engines wait for; the in-process baseline
 (``nixl_pair.py``) is timed from the WRITE post until DONE and the notification was seen.
 
-    python benchmarks/daemon_push.py [--sizes 64K,1M,16M,256M] [--block-len 64K] [--json out.json]
+    python benchmarks/daemon_push.py [--sizes 64K,1M,16M,256M] [--block-len 64K] [--gap-ms 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ def _wait(clients, rid: str) -> list[float]:
 class Pair:
     """A P and a D daemon, each with one registered worker client over ``total`` bytes."""
 
-    def __init__(self, total: int, block_len: int, regions: int = 1) -> None:
+    def __init__(self, total: int, block_len: int, regions: int = 1, gap_s: float = 0.005) -> None:
         self.base = tempfile.mkdtemp(prefix="psbench-")
+        self.gap_s = gap_s  # D's registration -> P's SendReady: how long both daemons sit idle first
         self.P = self.D = None
         try:
             self.P = Daemon(self.base, "prefill")
@@ -115,7 +116,7 @@ class Pair:
         ids = list(range(blocks))
         self.dc.send(wp.RegisterRecv(request_id=rid, local_block_ids=[ids], remote_engine_id="prefill",
                                      remote_host="127.0.0.1", remote_port=self.P.info["side_channel_port"]))
-        time.sleep(0.005)  # the registration reaches P first, as when prefill takes longer
+        time.sleep(self.gap_s)  # the registration reaches P first, as when prefill takes longer
         t0 = time.perf_counter()
         self.pc.send(wp.SendReady(request_id=rid, block_ids=[ids]))
         return rid, t0
@@ -166,10 +167,10 @@ def path_medians(pair: Pair, n: int) -> dict[str, float]:
 
 
 def run(sizes: list[int], block_len: int, repeats: int, control: bool = True, idle_window: float = 10.0,
-        regions: int = 1) -> dict:
+        regions: int = 1, gap_s: float = 0.005) -> dict:
     """Push each size ``repeats`` times (after one warm-up) through a fresh daemon pair.
     With ``control``, also the control-path figures and (``idle_window`` > 0) idle CPU."""
-    pair = Pair(max(sizes), block_len, regions)
+    pair = Pair(max(sizes), block_len, regions, gap_s)
     try:
         rows = []
         for size in sizes:
@@ -223,6 +224,8 @@ def main() -> int:
                     help="for the daemons (ucx_error_handling_mode) and the in-process baseline alike")
     ap.add_argument("--regions", type=int, default=1,
                     help="regions per block (a model's layers' K and V; vLLM-shaped: 2 x layers)")
+    ap.add_argument("--gap-ms", type=float, default=5.0,
+                    help="how long before P's worker hands its blocks over D registers (both daemons idle meanwhile)")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PUSHSVC_UCX_ERROR_HANDLING_MODE"] = args.ucx_error_handling_mode  # the daemons read it
@@ -233,7 +236,8 @@ def main() -> int:
     # The same buffer as the daemons' (the largest size): a block's pieces in the 64
     # regions lie as far apart as theirs, so NIXL cannot merge them where the daemon cannot.
     one = nixl_pair.run([block_len], block_len, 50, mode, args.regions, total=max(sizes))[0]
-    res = run(sizes, block_len, args.repeats, idle_window=args.idle_window, regions=args.regions)
+    res = run(sizes, block_len, args.repeats, idle_window=args.idle_window, regions=args.regions,
+              gap_s=args.gap_ms / 1e3)
     print(f"{'size':>10} {'blocks':>7} {'in-process ms':>14} {'GB/s':>7} {'daemon ms':>10} {'GB/s':>7} {'ratio':>6}")
     for r in res["push"]:
         b = base[r["size"]]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -77,11 +78,27 @@ def run_deployment(name: str, model: str, points: list[Point], args: argparse.Na
                    "ttft_p50_ms": result.get("median_ttft_ms"), "ttft_p90_ms": result.get("p90_ttft_ms"),
                    "tpot_p50_ms": result.get("median_tpot_ms"),
                    "phases_p50_ms": serving.phase_medians(dep, args.prompts, prefix)}
+            if args.events and dep.timelines is not None:
+                run["events_p50_ms"] = event_medians(dep, args.prompts, prefix)
             rec["runs"].append(run)
             print(f"  {name} {point.tag}: TTFT p50 {run['ttft_p50_ms']:.1f} ms, p90 {run['ttft_p90_ms']:.1f} ms, "
                   f"{run['completed']} completed, {run['failed']} failed"
                   + (f"; phases {run['phases_p50_ms']}" if run["phases_p50_ms"] else ""), flush=True)
+            for step, (ms, n) in run.get("events_p50_ms", {}).items():
+                print(f"    {step:48s} {ms:8.2f} ms  ({n} requests)", flush=True)
     return rec
+
+
+def event_medians(dep: serving.Deployment, n: int, prefix: str) -> dict[str, tuple[float, int]]:
+    """Of the run's requests (proxy request ids starting with ``prefix``): the median gap
+    between every two events that follow one another in P's and D's merged timelines
+    (``attribution.event_gaps``), for the orders at least a quarter of them took; in
+    path order."""
+    proxy, p, d = dep.timelines(4 * n)
+    proxy = [line for line in proxy if str(line.get("request_id", "")).startswith(prefix)]
+    gaps = attribution.event_gaps(proxy, p, d)
+    kept = [(k, v) for k, v in gaps.items() if 4 * len(v) >= n]
+    return {k: (round(statistics.median(v), 3), len(v)) for k, v in kept}
 
 
 def _by_point(res: dict) -> dict[tuple[int, int, str], dict]:
@@ -186,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--deployments", default="colocated,pushsvc,pushsvc-layerwise")
     ap.add_argument("--run-timeout-s", type=float, default=900.0)
+    ap.add_argument("--events", action="store_true",
+                    help="also print, per run, the median gap between consecutive events of P's and D's "
+                         "daemon timelines (where the transfer goes)")
     args = ap.parse_args(argv)
     out = Path(args.out or ROOT / "bench-results" / f"latency-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -111,6 +111,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     poll_idle_interval_s: float = 0.05
     # Back-to-back polling while a WRITE moves, for at most this long per WRITE.
     poll_hot_max_s: float = 0.5
+    # Offer the CPU to other waiting processes before each back-to-back pass (sched_yield).
+    poll_hot_yield: bool = True
     drain_timeout_s: float = 10.0
     # Logging and debugging.
     log_format: str = "auto"

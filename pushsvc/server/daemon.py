@@ -67,7 +67,8 @@ class Daemon:
         self.devmem = devmem
         self.daemon_id = uuid.uuid4().hex
         self.service = PushService(config, engine, self.metrics, self.daemon_id, devmem=devmem)
-        self.progress = ProgressLoop(self.service.progress, config.poll_busy_interval_s, config.poll_idle_interval_s)
+        self.progress = ProgressLoop(self.service.progress, config.poll_busy_interval_s, config.poll_idle_interval_s,
+                                     os.sched_yield if config.poll_hot_yield else lambda: None)
         self.service.wake = self.progress.wake
         self.workers = WorkerServer(
             path=config.socket_path,

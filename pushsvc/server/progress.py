@@ -9,7 +9,12 @@ adapts to what the pass reports:
   side channel). Passes run back to back, yielding to the loop in between. Measured:
   a WRITE completes only when *both* agents make progress, so a 64 KiB push takes
   ~1 ms when the target polls every 0.5 ms and ~0.05 ms when it polls continuously.
-  Hot passes last only as long as the transfer (bounded by ``hot_max_s``).
+  Hot passes last only as long as the transfer (bounded by ``hot_max_s``). Before each
+  one the loop offers its CPU to any other process waiting for it (``yield_cpu``,
+  ``sched_yield``; nothing happens where none waits): the side channel's wake-up puts
+  D's daemon on the CPU of P's daemon, which is then still posting, and two loops
+  spinning on one CPU otherwise take turns only at the scheduler's time slice
+  (docs/architecture.md, "Why a hot pace").
 * ``Pace.BUSY``: registrations or blocks wait for their match: ``busy_interval``.
 * ``Pace.IDLE``: nothing tracked: ``idle_interval``.
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 from typing import Callable
 
 import structlog
@@ -35,8 +41,10 @@ class Pace(enum.IntEnum):
 
 
 class ProgressLoop:
-    def __init__(self, step: Callable[[float], Pace], busy_interval: float, idle_interval: float) -> None:
+    def __init__(self, step: Callable[[float], Pace], busy_interval: float, idle_interval: float,
+                 yield_cpu: Callable[[], None] = os.sched_yield) -> None:
         self._step = step
+        self.yield_cpu = yield_cpu  # before each hot pass (a no-op where that is off)
         self.busy_interval = busy_interval
         self.idle_interval = idle_interval
         self._wakeup: asyncio.Future[None] | None = None
@@ -59,6 +67,7 @@ class ProgressLoop:
                 log.exception("progress_pass_failed")
                 pace = Pace.BUSY
             if pace is Pace.HOT:
+                self.yield_cpu()  # another process on this CPU runs first, if one waits
                 await asyncio.sleep(0)  # let sockets and timers run, then poll again
                 continue
             if self._woken:

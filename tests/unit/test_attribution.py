@@ -64,3 +64,22 @@ def test_the_proxy_log_is_read_for_its_timelines_only(tmp_path) -> None:
     log.write_text("\n".join([json.dumps({"event": "proxy_started"}), "not json request_timeline",
                               json.dumps(_proxy("x", done=1)), ""]))
     assert [line["request_id"] for line in attribution.proxy_timelines(log)] == ["x"]
+
+
+def test_event_gaps_merge_both_daemons_timelines_in_time_order() -> None:
+    """P's and D's events of one request, in the order they happened on the host's clock:
+    D hearing ``WriteStarted`` before or after P's post makes two different steps."""
+    proxy = [_proxy("x", decode_first_chunk=30), _proxy("y", decode_first_chunk=30), _proxy("z", done=1)]
+    p = [_daemon("cmpl-x-0", "send", 10, send_ready=0, write_posted=1, write_settled=4),
+         _daemon("cmpl-y-0", "send", 10, send_ready=0, write_posted=2, write_settled=3)]
+    d = [_daemon("cmpl-x-0", "recv", 0, registered=0, write_announced=12, recv_done=15),
+         _daemon("cmpl-y-0", "recv", 0, registered=0, write_announced=11, recv_done=14)]
+    got = attribution.event_gaps(proxy, p, d)
+    assert got["d.registered -> p.send_ready"] == [10.0, 10.0]
+    assert got["p.send_ready -> p.write_posted"] == [1.0]  # x: P posted, then D heard of it
+    assert got["p.write_posted -> d.write_announced"] == [1.0]
+    assert got["d.write_announced -> p.write_settled"] == [2.0]
+    assert got["p.send_ready -> d.write_announced"] == [1.0]  # y: D heard of it first
+    assert got["d.write_announced -> p.write_posted"] == [1.0]
+    assert got["p.write_settled -> d.recv_done"] == [1.0, 1.0]
+    assert sum(len(v) for v in got.values()) == 10  # five steps each for x and y; z has no daemon side

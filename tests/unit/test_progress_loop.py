@@ -1,0 +1,109 @@
+"""The progress loop's pacing: hot passes back to back, each after giving the CPU away;
+busy and idle passes on their timers; a wake runs a pass at once; a failing pass does
+not stop the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from daemon_fixtures import daemon_config
+
+from pushsvc.engine.fake import FakeEngine
+from pushsvc.server.daemon import Daemon
+from pushsvc.server.progress import Pace, ProgressLoop
+
+
+class Script:
+    """A pass function that reports the paces of ``paces`` in turn (then IDLE) and
+    records, per pass, the loop time and how often the CPU was yielded before it."""
+
+    def __init__(self, paces: list[Pace]) -> None:
+        self.paces = list(paces)
+        self.times: list[float] = []
+        self.yields_before: list[int] = []
+        self.yields = 0
+
+    def step(self, now: float) -> Pace:
+        self.times.append(now)
+        self.yields_before.append(self.yields)
+        return self.paces.pop(0) if self.paces else Pace.IDLE
+
+    def yield_cpu(self) -> None:
+        self.yields += 1
+
+
+async def _run_until(loop: ProgressLoop, done, timeout: float = 5.0) -> None:
+    task = asyncio.get_running_loop().create_task(loop.run())
+    try:
+        async with asyncio.timeout(timeout):
+            while not done():
+                await asyncio.sleep(0.001)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.asyncio
+async def test_hot_passes_run_back_to_back_each_after_yielding_the_cpu() -> None:
+    script = Script([Pace.HOT, Pace.HOT, Pace.HOT, Pace.IDLE])
+    loop = ProgressLoop(script.step, busy_interval=10.0, idle_interval=10.0, yield_cpu=script.yield_cpu)
+    await _run_until(loop, lambda: len(script.times) >= 4)
+    # The three passes after a hot one came without a timer (10 s here) ...
+    assert len(script.times) == 4
+    # ... and each of them only after the CPU was offered to whoever else may run on it.
+    assert script.yields_before == [0, 1, 2, 3]
+
+
+@pytest.mark.asyncio
+async def test_busy_and_idle_passes_do_not_yield_and_wait_for_their_timers() -> None:
+    script = Script([Pace.BUSY, Pace.BUSY, Pace.IDLE])
+    loop = ProgressLoop(script.step, busy_interval=0.05, idle_interval=10.0, yield_cpu=script.yield_cpu)
+    await _run_until(loop, lambda: len(script.times) >= 3)
+    await asyncio.sleep(0.1)  # the idle pace's timer (10 s) must not have fired
+    assert len(script.times) == 3
+    gaps = [b - a for a, b in zip(script.times, script.times[1:])]
+    assert all(g >= 0.04 for g in gaps), gaps  # the busy timer, not back to back
+    assert script.yields == 0
+
+
+@pytest.mark.asyncio
+async def test_a_wake_runs_a_pass_at_once_without_yielding() -> None:
+    script = Script([])
+    loop = ProgressLoop(script.step, busy_interval=10.0, idle_interval=10.0, yield_cpu=script.yield_cpu)
+    task = asyncio.get_running_loop().create_task(loop.run())
+    try:
+        async with asyncio.timeout(5):
+            while not script.times:
+                await asyncio.sleep(0.001)
+            loop.wake()
+            while len(script.times) < 2:
+                await asyncio.sleep(0.001)
+        assert script.times[1] - script.times[0] < 5.0  # not the 10 s idle timer
+        assert script.yields == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.asyncio
+async def test_a_failing_pass_is_logged_and_the_loop_goes_on_at_the_busy_pace() -> None:
+    calls: list[float] = []
+
+    def step(now: float) -> Pace:
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in one pass")
+        return Pace.IDLE
+
+    loop = ProgressLoop(step, busy_interval=0.02, idle_interval=10.0, yield_cpu=lambda: None)
+    await _run_until(loop, lambda: len(calls) >= 2)
+    assert calls[1] - calls[0] >= 0.015  # retried at the busy pace, not back to back
+
+
+@pytest.mark.parametrize("setting", [True, False])
+def test_the_daemon_yields_on_hot_passes_unless_configured_off(tmp_path, setting: bool) -> None:
+    daemon = Daemon(daemon_config(str(tmp_path / "rt"), "yields", poll_hot_yield=setting), engine=FakeEngine())
+    assert (daemon.progress.yield_cpu is os.sched_yield) is setting
+    daemon.progress.yield_cpu()  # the no-op, where off, is callable all the same
