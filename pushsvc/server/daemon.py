@@ -29,7 +29,7 @@ from pushsvc.metrics import Metrics
 from pushsvc.peer_hosts import is_loopback_host
 from pushsvc.sdnotify import Notifier
 from pushsvc.server.health import HealthServer
-from pushsvc.server.progress import ProgressLoop
+from pushsvc.server.progress import ProgressLoop, keep_cpu
 from pushsvc.server.rundir import prepare_runtime_dir, prepare_socket_dir
 from pushsvc.server.service import PushService
 from pushsvc.server.workers import WorkerServer
@@ -68,7 +68,7 @@ class Daemon:
         self.daemon_id = uuid.uuid4().hex
         self.service = PushService(config, engine, self.metrics, self.daemon_id, devmem=devmem)
         self.progress = ProgressLoop(self.service.progress, config.poll_busy_interval_s, config.poll_idle_interval_s,
-                                     os.sched_yield if config.poll_hot_yield else lambda: None)
+                                     os.sched_yield if config.poll_hot_yield else keep_cpu)
         self.service.wake = self.progress.wake
         self.workers = WorkerServer(
             path=config.socket_path,

@@ -40,6 +40,10 @@ class Pace(enum.IntEnum):
     HOT = 2
 
 
+def keep_cpu() -> None:
+    """``yield_cpu`` where yielding is off (``poll_hot_yield = false``): keep the CPU."""
+
+
 class ProgressLoop:
     def __init__(self, step: Callable[[float], Pace], busy_interval: float, idle_interval: float,
                  yield_cpu: Callable[[], None] = os.sched_yield) -> None:
