@@ -41,6 +41,26 @@ def test_phases_count_only_the_requests_of_the_run_they_belong_to(monkeypatch) -
     assert serving.phase_medians(serving.Deployment("http://y", {}), 3, "colocated-") is None
 
 
+
+def test_event_medians_keep_the_runs_requests_and_the_orders_a_quarter_took() -> None:
+    proxy, p, d = [], [], []
+    for run, posted in (("pushsvc-in64-c1-", 1.0), ("pushsvc-in256-c1-", 9.0)):
+        for i in range(4):
+            rid = f"{run}{i}"
+            proxy.append(_proxy(rid, decode_first_chunk=30.0))
+            # The first request of each run: D hears of the WRITE before P posted it.
+            heard = posted - 0.5 if i == 0 else posted + 0.5
+            p.append(_daemon(f"cmpl-{rid}-0", "send", send_ready=0.0, write_posted=posted, write_settled=posted + 2))
+            d.append(_daemon(f"cmpl-{rid}-0", "recv", registered=0.0, write_announced=heard, recv_done=posted + 3))
+    dep = serving.Deployment("http://x", {}, timelines=lambda n: (proxy[-n:], p[-n:], d[-n:]))
+    got = latency.event_medians(dep, 4, "pushsvc-in64-c1-")
+    # Only the in64 run's four requests; each step's median and how many requests took it.
+    assert got["p.write_posted -> d.write_announced"] == (0.5, 3)
+    assert got["d.write_announced -> p.write_posted"] == (0.5, 1)  # one of four: a quarter, kept
+    assert got["p.write_settled -> d.recv_done"] == (1.0, 4)
+    assert all(n <= 4 for _, n in got.values())
+
+
 def test_the_table_sets_pushsvc_phases_beside_colocated() -> None:
     run = {"input_len": 256, "concurrency": 1, "completed": 16, "failed": 0}
     res = {"points": [{"input_len": 256, "concurrency": 1}, {"input_len": 1024, "concurrency": 1}],
