@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import statistics
 import urllib.request
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -56,17 +57,23 @@ def _owner(vllm_id: str, request_ids: set[str]) -> str | None:
     return None
 
 
-def attribute(proxy: list[dict], p: list[dict], d: list[dict]) -> dict[str, dict[str, float]]:
-    """Per request id: each phase in ms (phases a request lacks the moments for are left out)."""
+def _joined(proxy: list[dict], p: list[dict], d: list[dict]) -> Iterator[tuple[str, dict, dict, dict]]:
+    """Each proxy request that both daemons have a timeline of: (request id, the proxy's
+    line, P's send timeline, D's recv timeline)."""
     by_rid = {line["request_id"]: line for line in proxy if line.get("side") == "proxy"}
     ids = set(by_rid)
     sends = {_owner(t["request_id"], ids): t for t in p if t.get("side") == "send"}
     recvs = {_owner(t["request_id"], ids): t for t in d if t.get("side") == "recv"}
-    out: dict[str, dict[str, float]] = {}
     for rid, line in by_rid.items():
         send, recv = sends.get(rid), recvs.get(rid)
-        if send is None or recv is None:
-            continue
+        if send is not None and recv is not None:
+            yield rid, line, send, recv
+
+
+def attribute(proxy: list[dict], p: list[dict], d: list[dict]) -> dict[str, dict[str, float]]:
+    """Per request id: each phase in ms (phases a request lacks the moments for are left out)."""
+    out: dict[str, dict[str, float]] = {}
+    for rid, line, send, recv in _joined(proxy, p, d):
         t = {
             "arrival": datetime.fromisoformat(line["start"]).timestamp(),
             "prefill_end": _at(send, "prefill_done") or _at(send, "send_ready"),
@@ -97,14 +104,8 @@ def event_gaps(proxy: list[dict], p: list[dict], d: list[dict]) -> dict[str, lis
     for every two events that follow one another there, the gap in ms, per request that
     has them. Which events follow which varies between requests (D may hear
     ``write_announced`` before or after P's ``write_posted``): each order is its own entry."""
-    ids = {line["request_id"] for line in proxy if line.get("side") == "proxy"}
-    sends = {_owner(t["request_id"], ids): t for t in p if t.get("side") == "send"}
-    recvs = {_owner(t["request_id"], ids): t for t in d if t.get("side") == "recv"}
     out: dict[str, list[float]] = {}
-    for rid in ids:
-        send, recv = sends.get(rid), recvs.get(rid)
-        if send is None or recv is None:
-            continue
+    for _rid, _line, send, recv in _joined(proxy, p, d):
         events = sorted([(_at(send, e), f"p.{e}") for e in send.get("events_ms", {})]
                         + [(_at(recv, e), f"d.{e}") for e in recv.get("events_ms", {})])
         for (ta, a), (tb, b) in zip(events, events[1:]):

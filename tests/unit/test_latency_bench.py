@@ -41,7 +41,6 @@ def test_phases_count_only_the_requests_of_the_run_they_belong_to(monkeypatch) -
     assert serving.phase_medians(serving.Deployment("http://y", {}), 3, "colocated-") is None
 
 
-
 def test_event_medians_keep_the_runs_requests_and_the_orders_a_quarter_took() -> None:
     proxy, p, d = [], [], []
     for run, posted in (("pushsvc-in64-c1-", 1.0), ("pushsvc-in256-c1-", 9.0)):

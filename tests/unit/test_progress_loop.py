@@ -97,7 +97,7 @@ async def test_a_failing_pass_is_logged_and_the_loop_goes_on_at_the_busy_pace() 
             raise RuntimeError("a bug in one pass")
         return Pace.IDLE
 
-    loop = ProgressLoop(step, busy_interval=0.02, idle_interval=10.0, yield_cpu=lambda: None)
+    loop = ProgressLoop(step, busy_interval=0.02, idle_interval=10.0, yield_cpu=keep_cpu)
     await _run_until(loop, lambda: len(calls) >= 2)
     assert calls[1] - calls[0] >= 0.015  # retried at the busy pace, not back to back
 
