@@ -98,6 +98,43 @@ class _Nothing:
         pass
 
 
+class _TableMemory:
+    """A copy table on the device followed by ``count`` int64 entries the kernel reads (a
+    slot -> block map, a ring of pair lists), and those entries' host mirror in page-locked
+    memory, so that their uploads on the copy stream are asynchronous."""
+
+    def __init__(self, device: CudaDevice, plan: CopyPlan, count: int) -> None:
+        rows = np.ascontiguousarray(plan.table, dtype=np.int64)
+        assert rows.shape[1] == COPY_FIELDS
+        self._device = device
+        self._host = 0
+        self.nbytes = rows.nbytes + count * 8
+        self._memory = device.allocate(max(self.nbytes, 8))
+        self.table = self._memory.address
+        self.entries = self.table + rows.nbytes
+        try:
+            self._host = device.driver.host_alloc(max(count, 1) * 8)
+            self._mirror = np.frombuffer((ctypes.c_int64 * max(count, 1)).from_address(self._host), dtype=np.int64)
+            device.driver.upload(self.table, rows.ctypes.data, rows.nbytes)
+        except DeviceError:
+            self.close()
+            raise
+
+    def put(self, at: int, values: np.ndarray, to: int) -> None:
+        """Write ``values`` into the mirror from entry ``at`` and queue their upload to the
+        device address ``to`` on the copy stream. The caller makes the device current."""
+        self._mirror[at:at + len(values)] = values
+        self._device.driver.upload_async(to, self._host + at * 8, len(values) * 8, self._device.stream)
+
+    def close(self) -> None:
+        if self._host:
+            host, self._host = self._host, 0
+            self._mirror = np.empty(0, dtype=np.int64)
+            self._device.current()
+            self._device.driver.host_free(host)
+        self._memory.close()
+
+
 class _Copier:
     """A rank's copy table and slot -> block map on the device; the map's host mirror in
     page-locked memory, so its uploads are asynchronous. A slot's map entry is rewritten
@@ -107,24 +144,8 @@ class _Copier:
         self.plan = plan
         self._device = device
         self._fn = device.functions[plan.width]
-        self._entries = plan.groups * plan.slots
-        table = np.ascontiguousarray(plan.table, dtype=np.int64)
-        assert table.shape[1] == COPY_FIELDS
-        self._map_offset = table.nbytes
-        self.nbytes = table.nbytes + self._entries * 8
-        self._memory = device.allocate(max(self.nbytes, 8))
-        driver = device.driver
-        try:
-            self._host = driver.host_alloc(max(self._entries * 8, 8))
-        except DeviceError:
-            self._memory.close()
-            raise
-        self._mirror = np.frombuffer((ctypes.c_int64 * max(self._entries, 1)).from_address(self._host), dtype=np.int64)
-        try:
-            driver.upload(self._memory.address, table.ctypes.data, table.nbytes)
-        except DeviceError:
-            self.close()
-            raise
+        self._memory = _TableMemory(device, plan, plan.groups * plan.slots)
+        self.nbytes = self._memory.nbytes
 
     def map(self, group: int, slots: np.ndarray, blocks: np.ndarray) -> SlotRun:
         slots = np.asarray(slots, dtype=np.int64)
@@ -137,9 +158,7 @@ class _Copier:
         device = self._device
         device.current()
         at = group * self.plan.slots + int(slots[0])
-        self._mirror[at:at + len(blocks)] = blocks
-        device.driver.upload_async(self._group_map(group) + int(slots[0]) * 8, self._host + at * 8,
-                                   len(blocks) * 8, device.stream)
+        self._memory.put(at, blocks, self._group_map(group) + int(slots[0]) * 8)
         return SlotRun(group, int(slots[0]), len(slots))
 
     def launch(self, run: SlotRun, first: int, count: int) -> _Copy | _Nothing:
@@ -151,18 +170,13 @@ class _Copier:
         device = self._device
         device.current()
         chunks = -(-self.plan.max_bytes(first, count) // kernel.CHUNK)
-        return _run(device, self._fn, self._memory.address, self._group_map(run.group), run.first, first,
+        return _run(device, self._fn, self._memory.table, self._group_map(run.group), run.first, first,
                     (run.count, count, chunks), self.plan.mode)
 
     def _group_map(self, group: int) -> int:
-        return self._memory.address + self._map_offset + group * self.plan.slots * 8
+        return self._memory.entries + group * self.plan.slots * 8
 
     def close(self) -> None:
-        if self._host:
-            host, self._host = self._host, 0
-            self._mirror = np.empty(0, dtype=np.int64)
-            self._device.current()
-            self._device.driver.host_free(host)
         self._memory.close()
 
 
@@ -199,20 +213,10 @@ class _PairCopier:
         self.plan = plan
         self._device = device
         self._fn = device.functions[plan.width]
-        table = np.ascontiguousarray(plan.table, dtype=np.int64)
-        self.nbytes = table.nbytes + _PAIR_RING * 8
+        self._memory = _TableMemory(device, plan, _PAIR_RING)
+        self.nbytes = self._memory.nbytes
         self._inflight: collections.deque[tuple[int, int, _Copy]] = collections.deque()
         self._head = 0
-        self._host = 0
-        self._memory = device.allocate(self.nbytes)
-        try:
-            self._host = device.driver.host_alloc(_PAIR_RING * 8)
-            self._mirror = np.frombuffer((ctypes.c_int64 * _PAIR_RING).from_address(self._host), dtype=np.int64)
-            device.driver.upload(self._memory.address, table.ctypes.data, table.nbytes)
-        except DeviceError:
-            self.close()
-            raise
-        self._ring = self._memory.address + table.nbytes
 
     def launch(self, group: int, src: np.ndarray, dst: np.ndarray) -> _Copy | _Nothing:
         src = np.asarray(src, dtype=np.int64)
@@ -229,16 +233,16 @@ class _PairCopier:
         grid = (len(src), count, chunks)
         at = self._take(len(src))
         if at is not None:
-            self._mirror[at:at + len(src)] = (dst << 32) | src
-            driver.upload_async(self._ring + at * 8, self._host + at * 8, len(src) * 8, device.stream)
-            job = _run(device, self._fn, self._memory.address, self._ring + at * 8, 0, first, grid, self.plan.mode)
+            ring = self._memory.entries + at * 8
+            self._memory.put(at, (dst << 32) | src, ring)
+            job = _run(device, self._fn, self._memory.table, ring, 0, first, grid, self.plan.mode)
             self._inflight.append((at, at + len(src), job))
             return job
         packed = np.ascontiguousarray((dst << 32) | src)
         pairs = driver.alloc_async(packed.nbytes, device.stream)
         try:  # from pageable memory: the driver stages it before the call returns
             driver.upload_async(pairs, packed.ctypes.data, packed.nbytes, device.stream)
-            return _run(device, self._fn, self._memory.address, pairs, 0, first, grid, self.plan.mode)
+            return _run(device, self._fn, self._memory.table, pairs, 0, first, grid, self.plan.mode)
         finally:
             driver.free_async(pairs, device.stream)
 
@@ -255,11 +259,6 @@ class _PairCopier:
         return start
 
     def close(self) -> None:
-        if self._host:
-            host, self._host = self._host, 0
-            self._mirror = np.empty(0, dtype=np.int64)
-            self._device.current()
-            self._device.driver.host_free(host)
         self._memory.close()
 
 

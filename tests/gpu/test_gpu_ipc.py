@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import itertools
 import random
-import signal
 import time
 
 import pytest
 from conftest import Spawner
-from test_gpu_push import D_BLOCKS, LAYERS, P_BLOCKS, _free_gpu_memory, _plan, _push_and_check, _recv, _send, _wait
+from test_gpu_push import (D_BLOCKS, LAYERS, P_BLOCKS, _check_given_back, _free_gpu_memory, _kill_under_load, _plan,
+                           _push_and_check, _recv, _send, _wait)
 
 IPC = ("--ipc-push", "auto")
 _MEETINGS = itertools.count()
@@ -77,27 +77,12 @@ def test_kill_9_and_restart_under_same_host_push(spawn: Spawner, side: str) -> N
     _meet(p, d, daemons["prefill"], daemons["decode"])
     _push_and_check(p, d, daemons["prefill"], _plan(random.Random(4), 4))
     free_before = _free_gpu_memory([p, d])
-    load = [(f"load-{i}", list(range(i * 8, i * 8 + 8)), list(range(i * 8, i * 8 + 8))) for i in range(12)]
-    _recv(d, daemons["prefill"], [(rid, dd) for rid, _, dd in load])
-    _send(p, [(rid, pp) for rid, pp, _ in load])
-    old_id = daemons[side].info["daemon_id"]
-    daemons[side].proc.send_signal(signal.SIGKILL)
-    daemons[side].proc.wait(30)
-    new, started_s = spawn.restart(daemons[side], *args[side])
-    worker = p if side == "prefill" else d
-    back = worker.call("until_connected", old=old_id, timeout=30)
-    assert back["connected"] and back["daemon_id"] == new.info["daemon_id"]
+    started_s, _ = _kill_under_load(spawn, daemons, side, p, d, args[side])
     print(f"\n{side} daemon kill -9 under same-host push -> restarted in {started_s:.2f} s")
-    daemons[side] = new
-    _wait(d, [rid for rid, _, _ in load], timeout=90)  # every request ends, none hangs
-    _wait(p, [rid for rid, _, _ in load], timeout=90)
     _meet(p, d, daemons["prefill"], daemons["decode"])
     _push_and_check(p, d, daemons["prefill"], _plan(random.Random(5), 4))
     assert daemons["prefill"].metric("pushsvc_ipc_copies_total") >= 3
-    free_after = _free_gpu_memory([p, d])
-    for w, name in ((p, "P's"), (d, "D's")):
-        assert abs(free_after[w] - free_before[w]) < 256 << 20, (
-            f"{(free_before[w] - free_after[w]) >> 20} MiB of {name} GPU not given back after the {side} restart")
+    _check_given_back(free_before, p, d, side)
     for daemon in daemons.values():
         info = daemon.live_info()
         assert info["tables"]["inflight"] == 0 and info["nixl_handles"]["xfers"] == 0, info

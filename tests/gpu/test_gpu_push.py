@@ -291,6 +291,38 @@ def _free_gpu_memory(workers: list[GpuWorker]) -> dict[GpuWorker, int]:
     return {w: w.call("mem")["free"] for w in workers}
 
 
+def _kill_under_load(spawn: Spawner, daemons: dict, side: str, p: GpuWorker, d: GpuWorker,
+                     args: tuple[str, ...]) -> tuple[float, float]:
+    """Twelve requests registered at D and sent by P, then kill -9 of ``side``'s daemon and
+    its restart with ``args`` (``daemons[side]`` is the new one after). Returns the daemon's
+    start and the time until its worker re-registered, both in seconds, once every request
+    of the load ended, done or failed: none hangs."""
+    load = [(f"load-{i}", list(range(i * 8, i * 8 + 8)), list(range(i * 8, i * 8 + 8))) for i in range(12)]
+    _recv(d, daemons["prefill"], [(rid, dd) for rid, _, dd in load])
+    _send(p, [(rid, pp) for rid, pp, _ in load])
+    old_id = daemons[side].info["daemon_id"]
+    daemons[side].proc.send_signal(signal.SIGKILL)
+    daemons[side].proc.wait(30)
+    new, started_s = spawn.restart(daemons[side], *args)
+    t0 = time.perf_counter()
+    back = (p if side == "prefill" else d).call("until_connected", old=old_id, timeout=30)
+    assert back["connected"] and back["daemon_id"] == new.info["daemon_id"]
+    daemons[side] = new
+    _wait(d, [rid for rid, _, _ in load], timeout=90)
+    _wait(p, [rid for rid, _, _ in load], timeout=90)
+    return started_s, started_s + back["t"] - t0
+
+
+def _check_given_back(free_before: dict[GpuWorker, int], p: GpuWorker, d: GpuWorker, side: str) -> None:
+    """Nothing of the killed daemon stays on either GPU (its context, imports and landing
+    went with it; the new one holds the same again)."""
+    free_after = _free_gpu_memory([p, d])
+    for w, name in ((p, "P's"), (d, "D's")):
+        assert abs(free_after[w] - free_before[w]) < 256 << 20, (
+            f"{(free_before[w] - free_after[w]) >> 20} MiB of {name} GPU not given back after the {side} restart "
+            f"(D's landing is 512 MiB; docs/gpu.md, known limits)")
+
+
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_kill_9_and_restart_with_the_workers_up(spawn: Spawner, side: str) -> None:
     daemons = {"prefill": spawn.daemon("prefill", "--write-part-mib", "4", "--lease-s", "20"),
@@ -299,35 +331,13 @@ def test_kill_9_and_restart_with_the_workers_up(spawn: Spawner, side: str) -> No
     d = spawn.worker(daemons["decode"], "consumer", blocks=D_BLOCKS, seed=8)
     _push_and_check(p, d, daemons["prefill"], _plan(random.Random(1), 4))
     free_before = _free_gpu_memory([p, d])
-    # Load in flight: registrations and sends, then the kill.
-    load = [(f"load-{i}", list(range(i * 8, i * 8 + 8)), list(range(i * 8, i * 8 + 8))) for i in range(12)]
-    _recv(d, daemons["prefill"], [(rid, dd) for rid, _, dd in load])
-    _send(p, [(rid, pp) for rid, pp, _ in load])
-    old_id = daemons[side].info["daemon_id"]
-    daemons[side].proc.send_signal(signal.SIGKILL)
-    daemons[side].proc.wait(30)
-    new, started_s = spawn.restart(daemons[side], *(("--write-part-mib", "4", "--lease-s", "20")
-                                                     if side == "prefill" else ("--landing-mib", "512")))
-    worker = p if side == "prefill" else d
-    t0 = time.perf_counter()
-    back = worker.call("until_connected", old=old_id, timeout=30)
-    ready_s = started_s + back["t"] - t0
+    started_s, ready_s = _kill_under_load(spawn, daemons, side, p, d, (
+        ("--write-part-mib", "4", "--lease-s", "20") if side == "prefill" else ("--landing-mib", "512")))
     print(f"\n{side} daemon kill -9 -> restarted and the worker re-registered: {ready_s:.2f} s "
           f"(goal {RESTART_GOAL_S} s; daemon start {started_s:.2f} s)")
-    assert back["connected"] and back["daemon_id"] == new.info["daemon_id"]
-    daemons[side] = new
-    # Every request of the load ends, done or failed: none hangs.
-    _wait(d, [rid for rid, _, _ in load], timeout=90)
-    _wait(p, [rid for rid, _, _ in load], timeout=90)
     # New requests work at once, with the new daemon.
     _push_and_check(p, d, daemons["prefill"], _plan(random.Random(2), 4))
-    # Nothing of the old daemon stays on the GPU (its context, imports and landing went
-    # with it; the new one holds the same again).
-    free_after = _free_gpu_memory([p, d])
-    for w, name in ((p, "P's"), (d, "D's")):
-        assert abs(free_after[w] - free_before[w]) < 256 << 20, (
-            f"{(free_before[w] - free_after[w]) >> 20} MiB of {name} GPU not given back after the {side} restart "
-            f"(D's landing is 512 MiB; docs/gpu.md, known limits)")
+    _check_given_back(free_before, p, d, side)
     for daemon in daemons.values():
         state = _gpu_state(daemon)
         landing = sum(a["landing_bytes"] for a in daemon.live_info()["agents"])
