@@ -299,7 +299,7 @@ def _ipc_ready(d_daemon, timeout: float = 20.0) -> None:
 
 def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int, small_reps: int,
                 log_level: str = "warning", part_mib: int | None = None, staging_mib: int = 0,
-                ucx_mode: str = "peer", sgl: bool = False, ipc: bool = False) -> dict:
+                ucx_mode: str = "peer", sgl: bool = False, ipc: bool = False, hot_yield: str = "on") -> dict:
     from procs import start_daemon
 
     base = Path(tempfile.mkdtemp(prefix="psbench-gpu-"))
@@ -308,7 +308,7 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     if staging_mib:
         parts += ("--staging-mib", str(staging_mib))
     mode = ("--ucx-error-handling-mode", ucx_mode, "--ucx-sgl", "on" if sgl else "off", "--ipc-push",
-            "auto" if ipc else "off")
+            "auto" if ipc else "off", "--poll-hot-yield", hot_yield)
     p_daemon = start_daemon(base, "prefill", "--gpu", "on", "--log-level", log_level, *parts, *mode, timeout=120)
     d_daemon = start_daemon(base, "decode", "--gpu", "on", "--log-level", log_level, "--landing-mib",
                             str(landing_mib), *mode, timeout=120)
@@ -469,6 +469,8 @@ def main() -> None:
                     help="the daemons' and the in-process anchor's UCX error handling (docs/architecture.md)")
     ap.add_argument("--ucx-sgl", default="off", choices=["on", "off"],
                     help="the daemons' ucx_sgl and the in-process anchor's alike (docs/gpu.md)")
+    ap.add_argument("--poll-hot-yield", default="on", choices=["on", "off"],
+                    help="the daemons' poll_hot_yield (docs/architecture.md, \"Two hot loops on one CPU\")")
     ap.add_argument("--phases", action="store_true",
                     help="daemon push only, daemons logging at debug: where each push's time goes")
     ap.add_argument("--layerwise", action="store_true",
@@ -508,7 +510,8 @@ def main() -> None:
     if args.phases:
         push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug",
                            part_mib=args.part_mib, staging_mib=args.staging_mib,
-                           ucx_mode=args.ucx_error_handling_mode, sgl=args.ucx_sgl == "on")
+                           ucx_mode=args.ucx_error_handling_mode, sgl=args.ucx_sgl == "on",
+                           hot_yield=args.poll_hot_yield)
         (out_dir / "gpu_phases.json").write_text(json.dumps(push["phases"], indent=2))
         for rid, ev in list(push["phases"].items())[:: max(1, len(push["phases"]) // 40)]:
             print(rid, " ".join(f"{k}={v}" for k, v in sorted(ev.items(), key=lambda kv: kv[1])))
@@ -527,12 +530,12 @@ def main() -> None:
     print("daemon push ...", flush=True)
     push = daemon_push(sizes, total, patterns, args.repeats, args.small, part_mib=args.part_mib,
                        staging_mib=args.staging_mib, ucx_mode=args.ucx_error_handling_mode,
-                       sgl=args.ucx_sgl == "on")
+                       sgl=args.ucx_sgl == "on", hot_yield=args.poll_hot_yield)
     same_host = None
     if args.ipc == "both":
         print("same-host push ...", flush=True)
         same_host = daemon_push(sizes, total, patterns, args.repeats, args.small, ucx_mode=args.ucx_error_handling_mode,
-                                ipc=True)
+                                hot_yield=args.poll_hot_yield, ipc=True)
     rows = []
     for pattern in patterns:
         for n in sizes:
@@ -550,7 +553,8 @@ def main() -> None:
               "layout": {"layers": LAYERS, "block_size": BLOCK_SIZE, "kv_heads": HEADS, "head_dim": DIM,
                          "dtype": "bfloat16", "block_bytes": BLOCK_BYTES},
               "daemon_info": push["daemon_info"], "write_part_mib": args.part_mib,
-              "staging_mib": args.staging_mib, "ucx_sgl": args.ucx_sgl, "p_gpu": p_gpu, "d_gpu": d_gpu}
+              "staging_mib": args.staging_mib, "ucx_sgl": args.ucx_sgl,
+              "poll_hot_yield": args.poll_hot_yield, "p_gpu": p_gpu, "d_gpu": d_gpu}
     if same_host is not None:
         result.update(same_host_small_request=same_host["small"], same_host_small_timeline_ms=same_host[
             "small_timeline_ms"], same_host_copies=same_host["ipc_copies"])

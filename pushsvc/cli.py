@@ -73,6 +73,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ipc-push", dest="ipc_push", choices=["auto", "off"],
                    help="same-host GPU push: auto (a P maps a D's KV on the same host and copies into it itself) "
                         "or off (NIXL WRITEs only)")
+    p.add_argument("--poll-hot-yield", dest="poll_hot_yield", type=_on_off, metavar="{on,off}",
+                   help="before each hot pass the progress loop offers its CPU to other waiting processes (on) "
+                        "or keeps it (off)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--ready-file", help="write /v1/info JSON here once the daemon is ready")
 
@@ -127,7 +130,13 @@ _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_
               "health_token_file", "insecure_health",
               "allowed_peer_hosts", "lease_s", "watchdog_s", "log_format", "log_level", "verify", "gpu", "landing_mib",
               "staging_mib",
-              "write_part_mib", "post_slice_mib", "ucx_error_handling_mode", "ucx_sgl", "ipc_push")
+              "write_part_mib", "post_slice_mib", "ucx_error_handling_mode", "ucx_sgl", "ipc_push", "poll_hot_yield")
+
+
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
 
 
 def build_parser() -> argparse.ArgumentParser:

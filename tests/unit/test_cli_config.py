@@ -129,3 +129,21 @@ def test_the_example_configuration_checks_with_its_secret(tmp_path: Path, capsys
     monkeypatch.setenv("PUSHSVC_SIDE_CHANNEL_SECRET_FILE", str(_secret(tmp_path)))
     code, out = _check(example, capsys)
     assert code == 0, out
+
+
+@pytest.mark.parametrize(("flag", "env", "want"), [("on", "false", True), ("off", "true", False), (None, "false", False),
+                                                   (None, None, True)])
+def test_serve_poll_hot_yield_flag_overrides_the_environment(flag: str | None, env: str | None, want: bool,
+                                                             capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    if env is not None:
+        monkeypatch.setenv("PUSHSVC_POLL_HOT_YIELD", env)
+    extra = ["--poll-hot-yield", flag] if flag else []
+    assert cli.main(["serve", "--engine-id", "unit", *extra, "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["poll_hot_yield"] is want
+
+
+def test_serve_poll_hot_yield_takes_only_on_or_off(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--engine-id", "unit", "--poll-hot-yield", "yes", "--print-config"])
+    assert exc.value.code == 2 and "expected on or off, got 'yes'" in capsys.readouterr().err
