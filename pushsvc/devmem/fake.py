@@ -135,6 +135,8 @@ class _PairCopier:
         why = check_pair_ids(self.plan, first, count, src, dst)
         if why:
             raise DeviceError(f"copy refused: {why}")
+        if self._device.memory.fail_launches:
+            raise DeviceError("cuLaunchKernel failed: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (701)")
         for s, d, n in zip(*copy_ranges(self.plan, first, count, src, dst)):
             ctypes.memmove(int(d), int(s), int(n))
         self._device.pair_copies += 1
@@ -210,6 +212,7 @@ class FakeDeviceMemory:
         self.copy_polls = copy_polls
         self.hold_copies = False
         self.fault_copies = False  # the next completion query of each copy reports a device fault
+        self.fail_launches = False  # a pair copy's launch fails, nothing copied
         self.fail_allocations = False
         self.exported: dict[bytes, tuple[int, int]] = {}
         self.events: dict[bytes, FakeEvent] = {}

@@ -175,6 +175,27 @@ async def test_a_registration_asking_for_a_copy_p_cannot_make_fails_cleanly() ->
 
 
 @pytest.mark.asyncio
+async def test_a_copy_whose_launch_fails_fails_the_request_and_the_next_one_copies() -> None:
+    async with gpu_pair(ipc=True) as (pair, devmem):
+        await _warm(pair)
+        devmem.fail_launches = True
+        pair.dw.initial = before = pair.dw.snapshot()
+        pair.register_recv("x", [5])
+        pair.send_ready("x", [5])
+        failed = await pair.dw.wait_for(wp.RecvFailed, "x")
+        assert "write_submit_failed" in failed.reason and "cuLaunchKernel" in failed.reason
+        await pair.pw.wait_for(wp.SendFailed, "x")
+        assert np.array_equal(pair.dw.snapshot(), before)  # nothing copied
+        assert metric(pair.p, "pushsvc_failures_total", kind="write_submit_failed") == 1
+        assert pair.p.service.sender.writes_in_flight() == 0
+        devmem.fail_launches = False
+        pair.register_recv("y", [6])
+        pair.send_ready("y", [2])
+        await pair.dw.wait_for(wp.RecvDone, "y")
+        assert np.array_equal(pair.dw.snapshot(), expected_after_push(pair.pw, pair.dw, [2], [6]))
+
+
+@pytest.mark.asyncio
 async def test_when_ds_worker_leaves_p_lets_go_of_its_kv() -> None:
     """A mapping P kept would hold the D worker's GPU memory after that worker exited."""
     async with gpu_pair(ipc=True) as (pair, _devmem):
