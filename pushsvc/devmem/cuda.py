@@ -143,8 +143,8 @@ class _Copier:
     def __init__(self, device: CudaDevice, plan: CopyPlan) -> None:
         self.plan = plan
         self._device = device
-        self._fn = device.functions[plan.width]
         self._memory = _TableMemory(device, plan, plan.groups * plan.slots)
+        self._kernel = _Kernel(device, plan.width, self._memory.table, plan.mode)
         self.nbytes = self._memory.nbytes
 
     def map(self, group: int, slots: np.ndarray, blocks: np.ndarray) -> SlotRun:
@@ -170,8 +170,7 @@ class _Copier:
         device = self._device
         device.current()
         chunks = -(-self.plan.max_bytes(first, count) // kernel.CHUNK)
-        return _run(device, self._fn, self._memory.table, self._group_map(run.group), run.first, first,
-                    (run.count, count, chunks), self.plan.mode)
+        return self._kernel.run(self._group_map(run.group), run.first, first, (run.count, count, chunks))
 
     def _group_map(self, group: int) -> int:
         return self._memory.entries + group * self.plan.slots * 8
@@ -180,14 +179,26 @@ class _Copier:
         self._memory.close()
 
 
-def _run(device: CudaDevice, fn: int, table: int, pairs: int, slot_base: int, first: int,
-         grid: tuple[int, int, int], mode: int) -> _Copy:
-    """Launch the copy kernel on the device's copy stream and record a pooled event behind it."""
-    params = (ctypes.c_uint64(table), ctypes.c_uint64(pairs), ctypes.c_uint64(slot_base), ctypes.c_uint32(first),
-              ctypes.c_uint64(kernel.CHUNK), ctypes.c_uint32(mode))
-    args = (ctypes.c_void_p * len(params))(*(ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in params))
-    device.driver.launch(fn, grid, kernel.THREADS, device.stream, args)
-    return _record(device)
+class _Kernel:
+    """One copier's launches of the copy kernel: its parameters (a copy table, a mode) in
+    ctypes values made once and refilled per launch, since building six values and their
+    pointer array took ~20 us a launch, ~110 us after the daemon idled 50 ms. The driver
+    reads the parameters during the launch call, so one set serves every launch."""
+
+    def __init__(self, device: CudaDevice, width: int, table: int, mode: int) -> None:
+        self._device = device
+        self._fn = device.functions[width]
+        self._values = (ctypes.c_uint64(table), ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint32(),
+                        ctypes.c_uint64(kernel.CHUNK), ctypes.c_uint32(mode))
+        self._args = (ctypes.c_void_p * len(self._values))(*(ctypes.addressof(v) for v in self._values))
+
+    def run(self, pairs: int, slot_base: int, first: int, grid: tuple[int, int, int]) -> _Copy:
+        """Launch on the device's copy stream and record a pooled event behind it."""
+        values = self._values
+        values[1].value, values[2].value, values[3].value = pairs, slot_base, first
+        device = self._device
+        device.driver.launch(self._fn, grid, kernel.THREADS, device.stream, self._args)
+        return _record(device)
 
 
 def _record(device: CudaDevice) -> _Copy:
@@ -212,8 +223,8 @@ class _PairCopier:
     def __init__(self, device: CudaDevice, plan: CopyPlan) -> None:
         self.plan = plan
         self._device = device
-        self._fn = device.functions[plan.width]
         self._memory = _TableMemory(device, plan, _PAIR_RING)
+        self._kernel = _Kernel(device, plan.width, self._memory.table, plan.mode)
         self.nbytes = self._memory.nbytes
         self._inflight: collections.deque[tuple[int, int, _Copy]] = collections.deque()
         self._head = 0
@@ -235,14 +246,14 @@ class _PairCopier:
         if at is not None:
             ring = self._memory.entries + at * 8
             self._memory.put(at, (dst << 32) | src, ring)
-            job = _run(device, self._fn, self._memory.table, ring, 0, first, grid, self.plan.mode)
+            job = self._kernel.run(ring, 0, first, grid)
             self._inflight.append((at, at + len(src), job))
             return job
         packed = np.ascontiguousarray((dst << 32) | src)
         pairs = driver.alloc_async(packed.nbytes, device.stream)
         try:  # from pageable memory: the driver stages it before the call returns
             driver.upload_async(pairs, packed.ctypes.data, packed.nbytes, device.stream)
-            return _run(device, self._fn, self._memory.table, pairs, 0, first, grid, self.plan.mode)
+            return self._kernel.run(pairs, 0, first, grid)
         finally:
             driver.free_async(pairs, device.stream)
 

@@ -184,6 +184,16 @@ class CopyPlan:
             known = self._known[key] = int(self.table[first:first + count, 6].max()) if count else 0
         return known
 
+    def block_limits(self, first: int, count: int) -> tuple[int, int]:
+        """The source and destination blocks every one of entries ``first .. first + count``
+        holds (``count`` > 0): a pair copy's ids must lie below them."""
+        key = ("limits", first, count)
+        known = self._known.get(key)
+        if known is None:
+            t = self.table[first:first + count]
+            known = self._known[key] = (int(t[:, 2].min()), int(t[:, 5].min()))
+        return known
+
 
 def copy_ranges(plan: CopyPlan, first: int, count: int, slots: np.ndarray,
                 blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -232,11 +242,11 @@ def check_pair_ids(plan: CopyPlan, first: int, count: int, src: np.ndarray, dst:
         return ""
     if first < 0 or first + count > len(plan.table):
         return f"copy entries {first}..{first + count - 1} of {len(plan.table)}"
-    t = plan.table[first:first + count]
-    if src.min() < 0 or src.max() >= min(t[:, 2].min(), 2**32):
-        return f"source block {int(src.max())} outside P's KV ({int(t[:, 2].min())} blocks)"
-    if dst.min() < 0 or dst.max() >= min(t[:, 5].min(), 2**31):
-        return f"destination block {int(dst.max())} outside D's KV ({int(t[:, 5].min())} blocks)"
+    src_blocks, dst_blocks = plan.block_limits(first, count)
+    if src.min() < 0 or src.max() >= min(src_blocks, 2**32):
+        return f"source block {int(src.max())} outside P's KV ({src_blocks} blocks)"
+    if dst.min() < 0 or dst.max() >= min(dst_blocks, 2**31):
+        return f"destination block {int(dst.max())} outside D's KV ({dst_blocks} blocks)"
     return ""
 
 

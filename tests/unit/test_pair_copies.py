@@ -47,3 +47,16 @@ def test_pairs_out_of_either_kv_are_refused(src: list[int], dst: list[int], why:
     plan = CopyPlan.build_pairs(_layout(0, 10), _layout(1 << 40, 20))
     assert why in check_pair_ids(plan, 0, 2, np.array(src), np.array(dst))
     assert check_pair_ids(plan, 0, 2, np.array([9]), np.array([19])) == ""
+
+
+def test_each_span_is_checked_against_its_own_smallest_region() -> None:
+    """The limits are kept per span: a span of the larger regions does not lend its
+    limits to one that holds a smaller region, asked after it."""
+    p = Layout((RegionSpec(0, BLOCK, 10, BLOCK, 0), RegionSpec(1 << 30, BLOCK, 6, BLOCK, 0)))
+    d = Layout((RegionSpec(1 << 40, BLOCK, 20, BLOCK, 0), RegionSpec((1 << 40) + (1 << 30), BLOCK, 12, BLOCK, 0)))
+    plan = CopyPlan.build_pairs(p, d)
+    assert check_pair_ids(plan, 0, 1, np.array([9]), np.array([19])) == ""
+    assert plan.block_limits(0, 1) == (10, 20) and plan.block_limits(0, 2) == (6, 12)
+    assert "source block 9 outside P's KV (6 blocks)" in check_pair_ids(plan, 0, 2, np.array([9]), np.array([0]))
+    assert "destination block 12 outside D's KV (12 blocks)" in check_pair_ids(plan, 0, 2, np.array([0]),
+                                                                                  np.array([12]))
