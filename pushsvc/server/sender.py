@@ -6,10 +6,8 @@ inline, in the same loop iteration that completed the match; only a peer without
 session defers it to a handshake task. Any failure frees P's lease at once and tells D
 at once over the side channel, so neither side waits for a timer.
 
-A PUSH_REG is checked against what P knows of its sender before it can match: from a
-known agent at once; from an agent P has not heard of yet (D's ``AgentsUpdate`` may be
-on its way) it waits, unverified, and ``agents_known`` checks it when the agent is
-announced. P never writes for, nor dials, a registration it could not check.
+D's registrations (PUSH_REG) come in through ``Intake`` (``server/intake.py``), which
+checks each against what P knows of its sender before it can match.
 """
 
 from __future__ import annotations
@@ -24,17 +22,17 @@ import structlog
 
 from pushsvc.config import Config
 from pushsvc.engine.base import XferState
-from pushsvc.errors import HandshakeError, LayoutError, ProtocolError, TransferError
+from pushsvc.errors import HandshakeError, LayoutError, TransferError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
+from pushsvc.server.intake import Intake
 from pushsvc.server.ipcpush import copies_settled, launch_ipc, plan_ipc
 from pushsvc.server.layerwise import Layerwise
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
-from pushsvc.server.remotes import registration_error
 from pushsvc.server.tasks import TaskSet
 from pushsvc.server.timelines import Timelines
 from pushsvc.server.staging import Staging
@@ -42,8 +40,7 @@ from pushsvc.server.writes import (LayerPost, Write, next_slice, plan_push, post
                                    release_settled, write_started)
 from pushsvc.state.layout import check_block_ids
 from pushsvc.state.timeline import SEND
-from pushsvc.state.producer import (ExpiryKind, Match, ProducerTable, Registration, RegOutcome, RegResult,
-                                    StageOutcome)
+from pushsvc.state.producer import ExpiryKind, Match, ProducerTable, Registration, StageOutcome
 
 log = structlog.get_logger("pushsvc.sender")
 
@@ -88,6 +85,10 @@ class Sender:
         self.layerwise = Layerwise(metrics=metrics, timelines=timelines, peers=peers, verify=settings.verify,
                                    writes=lambda rank: self._of(rank).writes, settle=self._settle_parts, wake=wake,
                                    now=self._now)
+        self.intake = Intake(engine_id=settings.engine_id, max_notif_bytes=settings.max_notif_bytes, peers=peers,
+                             metrics=metrics, outbox=outbox, table=lambda rank: self._of(rank).table,
+                             tables=lambda: [(rank, state.table) for rank, state in self._ranks.items()],
+                             start=self._start_push, released=self._released, tell_d=self._tell_d, now=self._now)
 
     def _current(self, rank: Rank, match: Match) -> bool:
         state = self._ranks.get(rank)
@@ -142,7 +143,7 @@ class Sender:
             self._released(rank, rid, "D released the exchange before P's blocks were ready")
         elif result.outcome is StageOutcome.AMBIGUOUS:
             self.layerwise.drop(rank, rid)
-            self._ambiguous(rank, [rid], result.collided)
+            self.intake.ambiguous(rank, [rid], result.collided)
         elif result.match is not None:
             self._start_push(rank, result.match)
 
@@ -171,129 +172,6 @@ class Sender:
         for write in [w for w in state.writes.values() if w.waiting_for_layers]:
             self.layerwise.stop(rank, write, ("worker_gone", "P's worker left before the last layer was final"))
         self.layerwise.forget(rank)
-
-    # ------------------------------------------------------------------ from D
-
-    def on_push_reg(self, rank: Rank, sender: str, payload: bytes) -> None:
-        try:
-            reg = notif.decode_push_reg(payload, self._settings.max_notif_bytes)
-        except ProtocolError as exc:
-            self._malformed("push_reg", sender, exc)
-            return
-        if reg.remote_engine_id != self._settings.engine_id:
-            self._malformed("push_reg_wrong_engine", sender, ProtocolError(f"PUSH_REG for engine {reg.remote_engine_id}"))
-            return
-        peer = self._peers.find_agent(sender)
-        if peer is None and self._peers.departed(sender):
-            # From a D incarnation or worker that is gone, or a D we lost: late, and never
-            # to be written (D holds those blocks only for its grace). P's blocks for it
-            # will never be claimed either: released now rather than at the lease.
-            self._malformed("push_reg_departed_agent", sender, ProtocolError(f"PUSH_REG from departed agent {sender}"))
-            self._release_counterpart(rank, reg)
-            return
-        if peer is not None and not self._sender_checks_out(rank, peer, sender, reg):
-            return
-        self._metrics.notifications.labels("push_reg").inc()
-        result = self._of(rank).table.add_registration(reg, sender, self._now(), verified=peer is not None)
-        self._registered(rank, reg, sender, peer, result)
-
-    def _release_counterpart(self, rank: Rank, reg: notif.PushReg) -> None:
-        state = self._of(rank)
-        staged = state.table.counterpart(reg)
-        if staged is not None and state.table.evict(staged.request_id, self._now()) is not None:
-            reason = "late_registration: D's registration came after the session to D was lost"
-            log.warning("push_failed", request_id=staged.request_id, kind="late_registration", error=reason)
-            self._metrics.failures.labels("late_registration").inc()
-            self._outbox.tell(rank, wp.SendFailed(request_id=staged.request_id, reason=reason))
-
-    def peer_up(self, peer: Peer) -> None:
-        """A new session with ``peer``: unverified registrations claiming its engine that came
-        before it opened are dropped (only its own announcements vouch). Those that came
-        during its handshake wait for its hello: D sends its first PUSH_REG once its own
-        side of the handshake is done, which may be before ours. ``peer_down`` drops all."""
-        self._drop_unverified(peer, min((s.opened_at for s in peer.sessions), default=math.inf))
-
-    def _drop_unverified(self, peer: Peer, before: float) -> None:
-        for state in self._ranks.values():
-            for registration in state.table.drop_unverified(peer.engine_id, before):
-                log.info("registration_dropped", request_id=registration.request_id, peer=registration.sender,
-                         reason="unverified when the session changed")
-
-    def agents_known(self, peer: Peer, names: set[str]) -> None:
-        """``peer`` announced these agents: check the registrations that waited for
-        them, and match the ones that check out."""
-        for rank, state in list(self._ranks.items()):
-            # An announced agent may replace one of the same rank (its worker
-            # restarted): what the old one registered is for memory now retiring.
-            stale = {r.sender for r in state.table.registrations.values() if self._peers.departed(r.sender)}
-            for registration in state.table.drop_registrations_from(stale):
-                log.info("registration_dropped", request_id=registration.request_id, peer=peer.engine_id,
-                         reason="its agent was replaced")
-            for registration in state.table.unverified_from(names):
-                if not self._sender_checks_out(rank, peer, registration.sender, registration.reg):
-                    state.table.drop_registration(registration.key)
-                    continue
-                result = state.table.confirm(registration.key, self._now())
-                if result is not None:
-                    self._registered(rank, registration.reg, registration.sender, peer, result)
-
-    def _sender_checks_out(self, rank: Rank, peer: Peer, sender: str, reg: notif.PushReg) -> bool:
-        if (error := registration_error(peer.engine_id, peer.agents[sender], reg, rank.number, rank.tp_size,
-                                        peer.described(sender))) is None:
-            return True
-        reason, message = error
-        self._malformed(reason, sender, ProtocolError(message))
-        if reason in ("push_reg_blocks", "push_reg_tp"):  # D's own registration, that cannot be written: D hears why
-            self._tell_d(rank, peer, reg, f"registration rejected: {message}")
-        return False
-
-    def _registered(self, rank: Rank, reg: notif.PushReg, sender: str, peer: Peer | None, result: RegResult) -> None:
-        outcome = result.outcome
-        if outcome is RegOutcome.MATCHED:
-            for match in result.matches:
-                if match.registration.release:  # D's request ended unscheduled: nothing to write
-                    self._of(rank).table.finish(match.request_id, self._now())
-                    self._released(rank, match.request_id, "D registered no blocks")
-                else:
-                    self._start_push(rank, match)
-        elif outcome is RegOutcome.RELEASED:
-            self._metrics.notifications.labels("push_reg_release_noted").inc()
-            log.info("push_reg_release_noted", request_id=reg.request_id, match_key=reg.match_key, peer=sender)
-        elif outcome is RegOutcome.CANCELLED:
-            self._metrics.notifications.labels("push_reg_cancelled").inc()
-            log.info("push_reg_after_cancel", request_id=reg.request_id, peer=sender)
-        elif outcome is RegOutcome.DUPLICATE:
-            self._metrics.duplicates.labels("push_reg").inc()
-            log.info("push_reg_duplicate", request_id=reg.request_id, peer=sender)
-        elif outcome is RegOutcome.UNVERIFIED:
-            self._metrics.notifications.labels("push_reg_unverified").inc()
-            log.info("push_reg_unverified", request_id=reg.request_id, peer=sender, reason="sender not known yet")
-        elif outcome is RegOutcome.AMBIGUOUS:
-            self._ambiguous(rank, [s.request_id for s in result.collided], [Registration(reg, sender, 0.0, 0.0)], peer)
-        elif outcome in (RegOutcome.FINISHED, RegOutcome.FULL):
-            kind = "push_reg_finished" if outcome is RegOutcome.FINISHED else "push_reg_table_full"
-            self._metrics.notifications.labels(kind).inc()
-            log.info(kind, request_id=reg.request_id, match_key=reg.match_key, peer=sender)
-            if peer is not None and any(reg.local_block_ids):  # a release needs no answer
-                why = ("the exchange's P request already ended" if outcome is RegOutcome.FINISHED
-                       else "P holds too many registrations")
-                self._tell_d(rank, peer, reg, f"registration refused: {why}")
-
-    def _ambiguous(self, rank: Rank, p_requests: list[str],
-                   registrations: list[Registration] | tuple[Registration, ...], peer: Peer | None = None) -> None:
-        """Requests that a shared base id pairs in more than one way: all are refused,
-        none is written (each would risk decoding on another request's KV)."""
-        self._metrics.failures.labels("ambiguous_match").inc()
-        reason = (f"ambiguous_match: {len(p_requests)} P request(s) and {len(registrations)} D registration(s) share "
-                  "a base request id and no match key decides; send one X-Request-Id per request, or go "
-                  "through a front that sets transfer_id")
-        for rid in p_requests:
-            log.warning("push_failed", request_id=rid, kind="ambiguous_match", error=reason)
-            self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason=reason))
-        for r in registrations:
-            target = self._peers.find_agent(r.sender) or peer
-            if target is not None:
-                self._tell_d(rank, target, r.reg, reason)
 
     # ------------------------------------------------------------------ the WRITE
 
@@ -543,7 +421,7 @@ class Sender:
         WRITEs still target (they stay loaded until those settle)."""
         names = set(peer.agents)
         busy: set[str] = set()
-        self._drop_unverified(peer, math.inf)  # its unverified registrations go as well
+        self.intake.drop_unverified(peer, math.inf)  # its unverified registrations go as well
         for rank, state in self._ranks.items():
             for registration in state.table.drop_registrations_from(names):
                 self._metrics.failures.labels("peer_lost").inc()
@@ -616,10 +494,6 @@ class Sender:
         for write in state.writes.values() if state else ():
             release_all(rank.agent, write)
         self.staging.forget(rank)
-
-    def _malformed(self, reason: str, sender: str, exc: Exception) -> None:
-        self._metrics.malformed.labels("notification", reason).inc()
-        log.warning("malformed_input", source="notification", reason=reason, peer=sender, error=str(exc)[:200])
 
     def __repr__(self) -> str:
         return f"<Sender ranks={len(self._ranks)} writes={self.writes_in_flight()}>"

@@ -288,12 +288,12 @@ class PushService:
                 *(j.agent_info() for j in self.joints.current.values())]
 
     def peer_up(self, peer: Peer) -> None:
-        self.sender.peer_up(peer)
+        self.sender.intake.peer_up(peer)
         self.receiver.peer_up(peer)
 
     def agents_announced(self, peer: Peer, agents: list[pp.AgentInfo]) -> None:
         self._load_agents(peer, agents, [*(r for r in self.ranks.all() if r.ready), *self.joints.all()])
-        self.sender.agents_known(peer, {a.agent_name for a in agents})
+        self.sender.intake.agents_known(peer, {a.agent_name for a in agents})
 
     def _load_agents(self, peer: Peer, agents: list[pp.AgentInfo], ranks: list[Rank]) -> None:
         # A rank loads only the peer's agents it pairs with: rank r with the peer's rank r
@@ -413,7 +413,7 @@ class PushService:
                 elif isinstance(rank, Joint):  # nobody registers with D
                     self.metrics.malformed.labels("notification", "push_reg_to_joint").inc()
                 else:
-                    self.sender.on_push_reg(rank, sender, payload)
+                    self.sender.intake.on_push_reg(rank, sender, payload)
 
     # ================================================================ views
 

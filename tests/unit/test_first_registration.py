@@ -78,7 +78,7 @@ async def test_a_push_reg_from_before_the_session_opened_is_not_vouched_for_by_i
         sender = pair.p.service.sender
         reg = notif.encode_push_reg(push_reg("cmpl-old-0-1a2b3c4d", decode_engine_id=D_ENGINE,
                                              local_block_ids=[[5, 6]], remote_engine_id=P_ENGINE))
-        sender.on_push_reg(pair.p.service.ranks.current[0], pair.d_agent, reg)  # before any session
+        sender.intake.on_push_reg(pair.p.service.ranks.current[0], pair.d_agent, reg)  # before any session
         assert metric(pair.p, "pushsvc_notifications_total", kind="push_reg_unverified") == 1
         await asyncio.sleep(0.01)  # the session below opens strictly later
         pair.send_ready("cmpl-old-0-1a2b3c4d", [1, 2])
