@@ -38,6 +38,7 @@ class _Columns:
     offsets: np.ndarray  # int64: the descriptor index of each region's block 0
     block_lens: np.ndarray  # int64
     by_group: dict[int, np.ndarray]  # group -> its region indices, groups in order of first region
+    group_bytes: dict[int, int]  # group -> bytes of one block in every region of it
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class Layout:
         lens = np.fromiter((r.block_len for r in self.regions), dtype=np.int64, count=len(self.regions))
         offsets = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
         order = list(dict.fromkeys(int(g) for g in groups))  # groups in order of first region
-        return _Columns(offsets, lens, {g: np.flatnonzero(groups == g) for g in order})
+        by_group = {g: np.flatnonzero(groups == g) for g in order}
+        return _Columns(offsets, lens, by_group, {g: int(lens[regs].sum()) for g, regs in by_group.items()})
 
     @cached_property
     def _logical(self) -> dict[int, int]:
@@ -203,6 +205,8 @@ class WritePlan:
 def _expand(ids: list[int], per_logical: int) -> np.ndarray:
     # int32 throughout: a layout holds at most MAX_DESCRIPTORS (2^24) descriptors, and the
     # ids were checked against it (check_block_ids).
+    if per_logical == 1:  # the usual case, one kernel block per logical block: no arithmetic
+        return np.array(ids, dtype=np.int32)
     base = np.asarray(ids, dtype=np.int32) * np.int32(per_logical)
     return (base[:, None] + np.arange(per_logical, dtype=np.int32)).reshape(-1)
 
@@ -230,10 +234,12 @@ def _tails(src: Layout, dst: Layout, src_blocks: list[list[int]], dst_blocks: li
     """Per group with blocks to move, in order of its first region: (group, its regions
     below ``paired``, P's physical blocks, D's), D's blocks taking P's last ones in order (a
     prefix hit on D). D asking for more blocks than P has is an error."""
+    every = paired >= len(src.regions)
     for g, regs in src._columns.by_group.items():
-        regs = regs[regs < paired]
-        if not len(regs):
-            continue
+        if not every:
+            regs = regs[regs < paired]
+            if not len(regs):
+                continue
         s_ids = src_blocks[g] if g < len(src_blocks) else []
         d_ids = dst_blocks[g] if g < len(dst_blocks) else []
         if len(d_ids) > len(s_ids):
@@ -301,7 +307,7 @@ def pair_blocks(src: Layout, dst: Layout, src_blocks: list[list[int]], dst_block
     groups, nbytes = [], 0
     for g, regs, s_phys, d_phys in _tails(src, dst, src_blocks, dst_blocks, len(src.regions)):
         groups.append((int(g), s_phys.astype(np.int64), d_phys.astype(np.int64)))
-        nbytes += len(d_phys) * int(src._columns.block_lens[regs].sum())
+        nbytes += len(d_phys) * src._columns.group_bytes[g]
     logical = sum(len(ids) for ids in dst_blocks)
     return BlockPairs(tuple(groups), nbytes, logical)
 
