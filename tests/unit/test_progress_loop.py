@@ -5,6 +5,7 @@ not stop the loop. The daemon yields only where ``poll_hot_yield`` is on."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 import pytest
@@ -34,15 +35,25 @@ class Script:
         self.yields += 1
 
 
-async def _run_until(loop: ProgressLoop, done, timeout: float = 5.0) -> None:
+@contextlib.asynccontextmanager
+async def _running(loop: ProgressLoop):
     task = asyncio.get_running_loop().create_task(loop.run())
     try:
-        async with asyncio.timeout(timeout):
-            while not done():
-                await asyncio.sleep(0.001)
+        yield
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def _until(done, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not done():
+            await asyncio.sleep(0.001)
+
+
+async def _run_until(loop: ProgressLoop, done, timeout: float = 5.0) -> None:
+    async with _running(loop):
+        await _until(done, timeout)
 
 
 @pytest.mark.asyncio
@@ -72,19 +83,12 @@ async def test_busy_and_idle_passes_do_not_yield_and_wait_for_their_timers() -> 
 async def test_a_wake_runs_a_pass_at_once_without_yielding() -> None:
     script = Script([])
     loop = ProgressLoop(script.step, busy_interval=10.0, idle_interval=10.0, yield_cpu=script.yield_cpu)
-    task = asyncio.get_running_loop().create_task(loop.run())
-    try:
-        async with asyncio.timeout(5):
-            while not script.times:
-                await asyncio.sleep(0.001)
-            loop.wake()
-            while len(script.times) < 2:
-                await asyncio.sleep(0.001)
-        assert script.times[1] - script.times[0] < 5.0  # not the 10 s idle timer
-        assert script.yields == 0
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    async with _running(loop):
+        await _until(lambda: script.times)
+        loop.wake()
+        await _until(lambda: len(script.times) >= 2)
+    assert script.times[1] - script.times[0] < 5.0  # not the 10 s idle timer
+    assert script.yields == 0
 
 
 @pytest.mark.asyncio
