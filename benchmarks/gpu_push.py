@@ -230,11 +230,6 @@ def _registered(p_daemon, d: "_Proc", rid: str, d_ids: list[int]) -> None:
     time.sleep(0.002)
 
 
-# The events of a WRITE in parts, printed per size: P posting them, D hearing of the
-# first and the last, D's copies done.
-_SPREAD = ("P write_posted", "D first_part_landed", "D completion", "D copies_done", "D recv_done")
-
-
 def _hist(daemon, name: str) -> tuple[float, float]:
     return daemon.metric(f"{name}_sum"), daemon.metric(f"{name}_count")
 
@@ -351,10 +346,10 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
             print(f"  {'same-host push' if ipc else 'daemon push':15s} {pattern:10s} {n:5d} blocks: {out['push'][(pattern, n)] * 1e3:8.3f} ms "
                   f"(exposed copy {out['exposed'][(pattern, n)] * 1e3:.3f} ms, "
                   f"{out['parts'][(pattern, n)]:.0f} parts)", flush=True)
-            if n >= 64:  # where a large push's time goes: posting, the parts landing, the copies
+            if n >= 64:  # where a large push's time goes: every event of both timelines
                 spread = timeline_medians(p_daemon, d_daemon, [f"b{i}" for i in range(first, seq)])
                 out["timelines"][f"{pattern} {n}"] = spread
-                print("    " + ", ".join(f"{k} {v:.2f}" for k, v in spread.items() if k in _SPREAD), flush=True)
+                print("    " + ", ".join(f"{k} {v:.2f}" for k, v in spread.items()), flush=True)
     first_small = seq
     small = [one(1, [5], [9])[0] for _ in range(small_reps)]
     out["small_rids"] = [f"b{i}" for i in range(first_small, seq)]
