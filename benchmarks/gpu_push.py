@@ -259,6 +259,16 @@ def phases(p_log: str, d_log: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def hot_passes(daemon) -> dict[str, float]:
+    """The daemon's hot progress passes so far (``pushsvc_progress_pass_seconds``): how
+    many, and how many held its loop over 0.5 ms and over 2.5 ms."""
+    name = "pushsvc_progress_pass_seconds"
+    total = daemon.metric(f"{name}_count", pace="hot")
+    return {"passes": total,
+            "over_0.5ms": total - daemon.metric(f"{name}_bucket", pace="hot", le="0.0005"),
+            "over_2.5ms": total - daemon.metric(f"{name}_bucket", pace="hot", le="0.0025")}
+
+
 def timeline_medians(p_daemon, d_daemon, rids: list[str]) -> dict[str, float]:
     """Median ms from P's ``send_ready`` to every event of both daemons' request timelines
     (``/v1/requests``, kept whatever the log level) for ``rids``: where a push's time goes.
@@ -356,6 +366,10 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     out["small"] = {"p50_ms": float(np.percentile(small, 50) * 1e3), "p90_ms": float(np.percentile(small, 90) * 1e3),
                     "p99_ms": float(np.percentile(small, 99) * 1e3), "n": len(small)}
     out["small_timeline_ms"] = timeline_medians(p_daemon, d_daemon, out["small_rids"])
+    out["hot_passes"] = {"P": hot_passes(p_daemon), "D": hot_passes(d_daemon)}
+    print("  hot progress passes (all, over 0.5 ms, over 2.5 ms): " + "; ".join(
+        f"{side} {v['passes']:.0f}, {v['over_0.5ms']:.0f}, {v['over_2.5ms']:.0f}" for side, v in out["hot_passes"].items()),
+        flush=True)
     out["daemon_info"] = {"prefill": p_daemon.live_info(), "decode": d_daemon.live_info()}
     out["ipc_copies"] = p_daemon.metric("pushsvc_ipc_copies_total")
     if log_level == "debug":

@@ -74,6 +74,10 @@ class Metrics:
             buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1, 1),
             registry=r)
         self.write_parts = Counter("pushsvc_write_parts", "WRITEs posted, counting every part and slice", registry=r)
+        self.progress_pass_seconds = Histogram(
+            "pushsvc_progress_pass_seconds", "Time of one progress pass, by the pace it chose next", ["pace"],
+            buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1),
+            registry=r)
         self.engine_slow_calls = Counter(
             "pushsvc_engine_slow_calls", "NIXL calls that held the event loop for 0.25 s or more, by call", ["call"],
             registry=r)

@@ -29,7 +29,7 @@ from pushsvc.metrics import Metrics
 from pushsvc.peer_hosts import is_loopback_host
 from pushsvc.sdnotify import Notifier
 from pushsvc.server.health import HealthServer
-from pushsvc.server.progress import ProgressLoop, keep_cpu
+from pushsvc.server.progress import Pace, ProgressLoop, keep_cpu
 from pushsvc.server.rundir import prepare_runtime_dir, prepare_socket_dir
 from pushsvc.server.service import PushService
 from pushsvc.server.workers import WorkerServer
@@ -44,6 +44,16 @@ def slow_call_reporter(metrics: Metrics):
         metrics.engine_slow_calls.labels(call).inc()
         log.warning("engine_call_slow", agent=agent, call=call, seconds=round(seconds, 3))
     return report
+
+
+def _pass_timer(metrics: Metrics):
+    """What the progress loop calls after each pass: its seconds, by the pace it chose
+    (each pace's histogram child found once, not per pass)."""
+    children = {pace: metrics.progress_pass_seconds.labels(pace.name.lower()).observe for pace in Pace}
+
+    def observe(pace: Pace, seconds: float) -> None:
+        children[pace](seconds)
+    return observe
 
 
 _FD_LIMIT_CAP = 1 << 20
@@ -68,7 +78,7 @@ class Daemon:
         self.daemon_id = uuid.uuid4().hex
         self.service = PushService(config, engine, self.metrics, self.daemon_id, devmem=devmem)
         self.progress = ProgressLoop(self.service.progress, config.poll_busy_interval_s, config.poll_idle_interval_s,
-                                     os.sched_yield if config.poll_hot_yield else keep_cpu)
+                                     os.sched_yield if config.poll_hot_yield else keep_cpu, _pass_timer(self.metrics))
         self.service.wake = self.progress.wake
         self.workers = WorkerServer(
             path=config.socket_path,

@@ -19,7 +19,9 @@ adapts to what the pass reports:
 * ``Pace.IDLE``: nothing tracked: ``idle_interval``.
 
 ``wake()`` (called on every worker message) runs a pass at once, so new work never
-waits for a tick.
+waits for a tick. Every pass is timed and handed to ``observe`` with the pace it chose
+(``pushsvc_progress_pass_seconds``): how long the loop was held between two chances to
+see a notification, a worker message or a finished copy.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import os
+import time
 from typing import Callable
 
 import structlog
@@ -44,11 +47,17 @@ def keep_cpu() -> None:
     """``yield_cpu`` where yielding is off (``poll_hot_yield = false``): keep the CPU."""
 
 
+def unobserved(pace: Pace, seconds: float) -> None:
+    """``observe`` where nothing records the passes."""
+
+
 class ProgressLoop:
     def __init__(self, step: Callable[[float], Pace], busy_interval: float, idle_interval: float,
-                 yield_cpu: Callable[[], None] = os.sched_yield) -> None:
+                 yield_cpu: Callable[[], None] = os.sched_yield,
+                 observe: Callable[[Pace, float], None] = unobserved) -> None:
         self._step = step
         self.yield_cpu = yield_cpu  # before each hot pass (a no-op where that is off)
+        self._observe = observe  # each pass: the pace it chose, its wall-clock seconds
         self.busy_interval = busy_interval
         self.idle_interval = idle_interval
         self._wakeup: asyncio.Future[None] | None = None
@@ -63,6 +72,7 @@ class ProgressLoop:
         loop = asyncio.get_running_loop()
         while True:
             self._woken = False
+            started = time.perf_counter()
             try:
                 pace = self._step(loop.time())
             except Exception:
@@ -70,6 +80,7 @@ class ProgressLoop:
                 # with its traceback and the next pass runs as usual.
                 log.exception("progress_pass_failed")
                 pace = Pace.BUSY
+            self._observe(pace, time.perf_counter() - started)
             if pace is Pace.HOT:
                 self.yield_cpu()  # another process on this CPU runs first, if one waits
                 await asyncio.sleep(0)  # let sockets and timers run, then poll again

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 
 import pytest
 from daemon_fixtures import daemon_config
@@ -111,3 +112,52 @@ def test_the_daemon_yields_on_hot_passes_unless_configured_off(tmp_path, setting
     daemon = Daemon(daemon_config(str(tmp_path / "rt"), "yields", poll_hot_yield=setting), engine=FakeEngine())
     assert daemon.progress.yield_cpu is (os.sched_yield if setting else keep_cpu)
 
+
+
+@pytest.mark.asyncio
+async def test_each_pass_is_observed_with_the_pace_it_chose_and_how_long_it_held_the_loop() -> None:
+    seen: list[tuple[Pace, float]] = []
+    paces = [Pace.HOT, Pace.BUSY, Pace.IDLE]
+
+    def step(now: float) -> Pace:
+        if len(seen) == 1:
+            time.sleep(0.02)  # the second pass holds the loop
+        return paces[min(len(seen), 2)]
+
+    loop = ProgressLoop(step, busy_interval=0.001, idle_interval=10.0, yield_cpu=keep_cpu,
+                        observe=lambda pace, s: seen.append((pace, s)))
+    await _run_until(loop, lambda: len(seen) >= 3)
+    assert [p for p, _ in seen[:3]] == paces
+    assert seen[1][1] >= 0.02 > seen[0][1]
+
+
+@pytest.mark.asyncio
+async def test_a_failing_pass_is_observed_as_busy() -> None:
+    seen: list[Pace] = []
+
+    def step(now: float) -> Pace:
+        if not seen:
+            raise RuntimeError("a bug in one pass")
+        return Pace.IDLE
+
+    loop = ProgressLoop(step, busy_interval=0.001, idle_interval=10.0, yield_cpu=keep_cpu,
+                        observe=lambda pace, s: seen.append(pace))
+    await _run_until(loop, lambda: len(seen) >= 2)
+    assert seen[:2] == [Pace.BUSY, Pace.IDLE]
+
+
+def test_the_daemon_exports_each_pass_by_pace(tmp_path) -> None:
+    daemon = Daemon(daemon_config(str(tmp_path / "rt"), "passes"), engine=FakeEngine())
+
+    async def main() -> None:
+        async with _running(daemon.progress):
+            await _until(lambda: daemon.metrics.registry.get_sample_value(
+                "pushsvc_progress_pass_seconds_count", {"pace": "idle"}))
+            daemon.progress.wake()
+            await _until(lambda: (daemon.metrics.registry.get_sample_value(
+                "pushsvc_progress_pass_seconds_count", {"pace": "idle"}) or 0) >= 2)
+
+    asyncio.run(main())
+    for pace in ("hot", "busy"):  # every pace's series exists from the start, at zero
+        assert daemon.metrics.registry.get_sample_value("pushsvc_progress_pass_seconds_count", {"pace": pace}) == 0
+    assert daemon.metrics.registry.get_sample_value("pushsvc_progress_pass_seconds_sum", {"pace": "idle"}) > 0
