@@ -113,7 +113,6 @@ def test_the_daemon_yields_on_hot_passes_unless_configured_off(tmp_path, setting
     assert daemon.progress.yield_cpu is (os.sched_yield if setting else keep_cpu)
 
 
-
 @pytest.mark.asyncio
 async def test_each_pass_is_observed_with_the_pace_it_chose_and_how_long_it_held_the_loop() -> None:
     seen: list[tuple[Pace, float]] = []
@@ -146,18 +145,16 @@ async def test_a_failing_pass_is_observed_as_busy() -> None:
     assert seen[:2] == [Pace.BUSY, Pace.IDLE]
 
 
-def test_the_daemon_exports_each_pass_by_pace(tmp_path) -> None:
+@pytest.mark.asyncio
+async def test_the_daemon_exports_each_pass_by_pace(tmp_path) -> None:
     daemon = Daemon(daemon_config(str(tmp_path / "rt"), "passes"), engine=FakeEngine())
 
-    async def main() -> None:
-        async with _running(daemon.progress):
-            await _until(lambda: daemon.metrics.registry.get_sample_value(
-                "pushsvc_progress_pass_seconds_count", {"pace": "idle"}))
-            daemon.progress.wake()
-            await _until(lambda: (daemon.metrics.registry.get_sample_value(
-                "pushsvc_progress_pass_seconds_count", {"pace": "idle"}) or 0) >= 2)
+    def passes(pace: str) -> float:
+        return daemon.metrics.registry.get_sample_value("pushsvc_progress_pass_seconds_count", {"pace": pace})
 
-    asyncio.run(main())
-    for pace in ("hot", "busy"):  # every pace's series exists from the start, at zero
-        assert daemon.metrics.registry.get_sample_value("pushsvc_progress_pass_seconds_count", {"pace": pace}) == 0
+    async with _running(daemon.progress):
+        await _until(lambda: passes("idle") >= 1)
+        daemon.progress.wake()
+        await _until(lambda: passes("idle") >= 2)
+    assert passes("hot") == passes("busy") == 0  # every pace's series exists from the start
     assert daemon.metrics.registry.get_sample_value("pushsvc_progress_pass_seconds_sum", {"pace": "idle"}) > 0
