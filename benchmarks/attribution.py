@@ -98,6 +98,29 @@ def medians(per_request: dict[str, dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def tail_excess(per_request: dict[str, dict[str, float]], share: float = 0.125) -> dict[str, float]:
+    """Where the slowest requests' extra time goes: over the slowest ``share`` of the
+    requests by ``ttft`` (at least one), the mean excess of each phase, and of ``ttft``
+    itself, over that phase's median (ms). The phase with the largest excess owns the
+    TTFT's tail (with 16 requests, the two beyond the p90)."""
+    timed = sorted((v for v in per_request.values() if "ttft" in v), key=lambda v: v["ttft"], reverse=True)
+    if not timed:
+        return {}
+    slow, mid = timed[: max(1, round(len(timed) * share))], medians(per_request)
+    out: dict[str, float] = {}
+    for phase in (*PHASES, "ttft"):
+        excess = [v[phase] - mid[phase] for v in slow if phase in v and phase in mid]
+        if excess:
+            out[phase] = round(statistics.fmean(excess), 3)
+    return out
+
+
+def tail_owner(excess: dict[str, float]) -> tuple[str, float] | None:
+    """The phase of ``tail_excess`` with the largest excess, and that excess."""
+    phases = {k: v for k, v in excess.items() if k != "ttft"}
+    return max(phases.items(), key=lambda kv: kv[1]) if phases else None
+
+
 def event_gaps(proxy: list[dict], p: list[dict], d: list[dict]) -> dict[str, list[float]]:
     """Where the path between the two daemons goes, event by event: each request's P
     (send side) and D (recv side) timelines merged in time order (one host, one clock), and

@@ -6,7 +6,8 @@ deployment: a colocated vLLM, and pushsvc's P/D (two vLLM CPU servers, their dae
 the proxy). For every input length and concurrency, the client's TTFT p50/p90 and, for
 pushsvc, the TTFT of the same requests split into phases from their three timelines
 (``attribution.py``: P's queue and prefill, transfer, D notified, D's first step, the
-proxy's forwarding). Prints a table; writes ``latency.json`` and ``latency.png`` into
+proxy's forwarding), and which phase holds the slowest requests' extra time (the "tail
+owner": over the slowest eighth, the phase furthest above its median). Prints a table; writes ``latency.json`` and ``latency.png`` into
 ``--out``. ``make bench-latency`` runs it; ``BENCH_ARGS`` passes arguments.
 """
 
@@ -73,17 +74,20 @@ def run_deployment(name: str, model: str, points: list[Point], args: argparse.Na
         for point in points:
             prefix = f"{name}-{point.tag}-"
             result = client_run(dep.url, model, point, args, out, f"{name}-")
+            stats = serving.phase_stats(dep, args.prompts, prefix) or {}
             run = {"input_len": point.input_len, "concurrency": point.concurrency,
                    "completed": result.get("completed"), "failed": result.get("failed"),
                    "ttft_p50_ms": result.get("median_ttft_ms"), "ttft_p90_ms": result.get("p90_ttft_ms"),
                    "tpot_p50_ms": result.get("median_tpot_ms"),
-                   "phases_p50_ms": serving.phase_medians(dep, args.prompts, prefix)}
+                   "phases_p50_ms": stats.get("p50"), "phases_tail_ms": stats.get("tail")}
             if args.events and dep.timelines is not None:
                 run["events_p50_ms"] = event_medians(dep, args.prompts, prefix)
             rec["runs"].append(run)
             print(f"  {name} {point.tag}: TTFT p50 {run['ttft_p50_ms']:.1f} ms, p90 {run['ttft_p90_ms']:.1f} ms, "
                   f"{run['completed']} completed, {run['failed']} failed"
                   + (f"; phases {run['phases_p50_ms']}" if run["phases_p50_ms"] else ""), flush=True)
+            if run["phases_tail_ms"]:
+                print(f"    slowest requests, over each phase's median: {run['phases_tail_ms']}", flush=True)
             for step, (ms, n) in run.get("events_p50_ms", {}).items():
                 print(f"    {step:48s} {ms:8.2f} ms  ({n} requests)", flush=True)
     return rec
@@ -110,7 +114,7 @@ def table(res: dict) -> str:
     """One row per input length, concurrency and P/D deployment, beside colocated's TTFT."""
     runs = _by_point(res)
     head = ["input", "c", "deployment", "TTFT colocated", "TTFT P/D", "ratio", "p90/p50 P/D", *attribution.PHASES,
-            "after_prefill"]
+            "after_prefill", "tail owner"]
     rows = []
     for point in res["points"]:
         key = (point["input_len"], point["concurrency"])
@@ -123,9 +127,16 @@ def table(res: dict) -> str:
             rows.append([str(key[0]), str(key[1]), name, f"{col['ttft_p50_ms']:.1f}", f"{pd['ttft_p50_ms']:.1f}",
                          f"{pd['ttft_p50_ms'] / col['ttft_p50_ms']:.2f}x",
                          f"{pd['ttft_p90_ms'] / pd['ttft_p50_ms']:.2f}",
-                         *(f"{ph[k]:.1f}" if k in ph else "-" for k in (*attribution.PHASES, "after_prefill"))])
+                         *(f"{ph[k]:.1f}" if k in ph else "-" for k in (*attribution.PHASES, "after_prefill")),
+                         _owner(pd.get("phases_tail_ms") or {})])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join([*lines, *("| " + " | ".join(r) + " |" for r in rows)])
+
+
+def _owner(tail: dict[str, float]) -> str:
+    """The phase that holds the slowest requests' extra time, e.g. ``transfer +12.3``."""
+    owner = attribution.tail_owner(tail)
+    return "-" if owner is None else f"{owner[0]} +{owner[1]:.1f}"
 
 
 def layerwise_goal(res: dict, layers: int) -> list[str]:

@@ -336,6 +336,13 @@ def phase_medians(dep: Deployment, n: int, prefix: str = "") -> dict[str, float]
     among the last ``4 n`` whose proxy request id starts with it (one run of a client that
     names its requests, ``latency.py``). Timelines that cannot be read give ``requests`` 0
     and the error."""
+    stats = phase_stats(dep, n, prefix)
+    return None if stats is None else stats["p50"]
+
+
+def phase_stats(dep: Deployment, n: int, prefix: str = "") -> dict[str, dict[str, float]] | None:
+    """``phase_medians`` as ``p50``, and as ``tail`` where the slowest requests' extra time
+    went (``attribution.tail_excess``; empty where the timelines cannot be read)."""
     if dep.timelines is None:
         return None
     time.sleep(0.5)  # the proxy logs a request's timeline as its response ends
@@ -343,9 +350,10 @@ def phase_medians(dep: Deployment, n: int, prefix: str = "") -> dict[str, float]
         proxy, p, d = dep.timelines(4 * n if prefix else n)
         if prefix:
             proxy = [line for line in proxy if str(line.get("request_id", "")).startswith(prefix)]
-        return attribution.medians(attribution.attribute(proxy, p, d))
+        per_request = attribution.attribute(proxy, p, d)
     except (OSError, ValueError, KeyError) as exc:
-        return {"requests": 0, "error": str(exc)[:200]}  # type: ignore[dict-item]
+        return {"p50": {"requests": 0, "error": str(exc)[:200]}, "tail": {}}  # type: ignore[dict-item]
+    return {"p50": attribution.medians(per_request), "tail": attribution.tail_excess(per_request)}
 
 
 def _idle(meter: CpuMeter, seconds: float) -> tuple[dict[str, float], float]:

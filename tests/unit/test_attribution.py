@@ -83,3 +83,18 @@ def test_event_gaps_merge_both_daemons_timelines_in_time_order() -> None:
     assert got["d.write_announced -> p.write_posted"] == [1.0]
     assert got["p.write_settled -> d.recv_done"] == [1.0, 1.0]
     assert sum(len(v) for v in got.values()) == 10  # five steps each for x and y; z has no daemon side
+
+
+def test_the_tail_is_the_slowest_eighths_excess_over_each_phases_median() -> None:
+    """Sixteen requests: fourteen alike, two slow ones whose extra time is all in D's first
+    step; the tail owner is that phase, with the slow two's mean excess."""
+    per_request = {f"r{i}": {"p_queue_prefill": 20.0, "transfer": 3.0, "d_first_step": 8.0, "ttft": 31.0}
+                   for i in range(14)}
+    per_request["slow1"] = {"p_queue_prefill": 20.0, "transfer": 3.0, "d_first_step": 48.0, "ttft": 71.0}
+    per_request["slow2"] = {"p_queue_prefill": 21.0, "transfer": 3.0, "d_first_step": 88.0, "ttft": 112.0}
+    tail = attribution.tail_excess(per_request)
+    assert tail == {"p_queue_prefill": 0.5, "transfer": 0.0, "d_first_step": 60.0, "ttft": 60.5}
+    assert attribution.tail_owner(tail) == ("d_first_step", 60.0)
+    # One request is its own tail (at least one), with no excess; nothing timed, no tail.
+    assert attribution.tail_excess({"a": {"transfer": 2.0, "ttft": 9.0}}) == {"transfer": 0.0, "ttft": 0.0}
+    assert attribution.tail_excess({"a": {"transfer": 2.0}}) == {} and attribution.tail_owner({}) is None

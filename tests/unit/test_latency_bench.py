@@ -38,6 +38,8 @@ def test_phases_count_only_the_requests_of_the_run_they_belong_to(monkeypatch) -
     dep = serving.Deployment("http://x", {}, timelines=lambda n: (proxy[-n:], p[-n:], d[-n:]))
     got = serving.phase_medians(dep, 3, "pushsvc-in64-c1-")
     assert got is not None and got["requests"] == 3 and got["ttft"] == 20.0 and got["transfer"] == 2.0
+    stats = serving.phase_stats(dep, 3, "pushsvc-in64-c1-")
+    assert stats is not None and stats["p50"] == got and stats["tail"]["ttft"] == 0.0  # three equal requests
     assert serving.phase_medians(serving.Deployment("http://y", {}), 3, "colocated-") is None
 
 
@@ -70,6 +72,7 @@ def test_the_table_sets_pushsvc_phases_beside_colocated() -> None:
     lines = latency.table(res).splitlines()
     assert len(lines) == 3  # the 1024-token point has no runs: no row
     assert lines[2].startswith("| 256 | 1 | pushsvc | 50.0 | 75.0 | 1.50x | 1.20 | 60.0 | 4.0 | - |")
+    assert lines[2].endswith("| - | - |")  # no tail measured: no owner
 
 
 def test_the_layer_wise_goal_is_one_layers_transfer_and_one_d_step() -> None:
@@ -92,3 +95,15 @@ def test_the_wrapper_runs_vllms_own_serving_client(capsys) -> None:
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "--dataset-name" in out and "--random-input-len" in out and "--request-id-prefix" in out
+
+
+def test_the_table_names_the_phase_that_holds_the_slowest_requests_time() -> None:
+    run = {"input_len": 64, "concurrency": 1, "completed": 16, "failed": 0}
+    res = {"points": [{"input_len": 64, "concurrency": 1}],
+           "deployments": [
+               {"deployment": "colocated", "runs": [{**run, "ttft_p50_ms": 10.0, "ttft_p90_ms": 11.0}]},
+               {"deployment": "pushsvc", "runs": [{**run, "ttft_p50_ms": 30.0, "ttft_p90_ms": 90.0,
+                                                    "phases_p50_ms": {"transfer": 3.0},
+                                                    "phases_tail_ms": {"transfer": 2.5, "d_first_step": 51.25,
+                                                                       "ttft": 60.0}}]}]}
+    assert latency.table(res).splitlines()[2].endswith("| d_first_step +51.2 |")
