@@ -163,6 +163,31 @@ def layerwise_goal(res: dict, layers: int) -> list[str]:
     return out
 
 
+OVERHEAD_GOAL_MS = {1: 2.0, 8: 5.0}  # concurrency -> the transfer overhead's p50 goal
+
+
+def overhead_goal(res: dict) -> list[str]:
+    """Per P/D run: the transfer overhead, P/D TTFT - (P's prefill + one D decode step), as
+    ``after_prefill`` p50 - the run's TPOT p50, against its goal where the concurrency has
+    one (<= 2 ms at 1, <= 5 ms at 8)."""
+    runs = _by_point(res)
+    out = []
+    for point in res["points"]:
+        key = (point["input_len"], point["concurrency"])
+        for name in PD_DEPLOYMENTS:
+            run = runs.get((*key, name))
+            after = ((run or {}).get("phases_p50_ms") or {}).get("after_prefill")
+            step = (run or {}).get("tpot_p50_ms")
+            if after is None or step is None:
+                continue
+            overhead, goal = after - step, OVERHEAD_GOAL_MS.get(key[1])
+            verdict = "no goal at this concurrency" if goal is None else (
+                f"goal <= {goal:.0f} ms {'met' if overhead <= goal else 'not met'}")
+            out.append(f"in{key[0]} c={key[1]} {name}: transfer overhead {overhead:.1f} ms (TTFT - prefill "
+                       f"{after:.1f} - one D step {step:.1f}): {verdict}")
+    return out
+
+
 def chart(res: dict, path: Path) -> Path | None:
     try:
         import matplotlib
@@ -231,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown deployment {name!r}; known: {sorted(DEPLOYMENTS)}")
         res["deployments"].append(run_deployment(name, model, points, args, out))
         (out / "latency.json").write_text(json.dumps(res, indent=2))
-    goal = layerwise_goal(res, _layers(model))
+    goal = [*overhead_goal(res), *layerwise_goal(res, _layers(model))]
     text = "\n".join([table(res), "", *goal])
     print(text)
     (out / "latency.md").write_text(text + "\n")

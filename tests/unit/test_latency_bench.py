@@ -107,3 +107,20 @@ def test_the_table_names_the_phase_that_holds_the_slowest_requests_time() -> Non
                                                     "phases_tail_ms": {"transfer": 2.5, "d_first_step": 51.25,
                                                                        "ttft": 60.0}}]}]}
     assert latency.table(res).splitlines()[2].endswith("| d_first_step +51.2 |")
+
+
+def test_the_transfer_overhead_is_ttft_after_the_prefill_less_one_d_step() -> None:
+    run = {"completed": 16, "failed": 0, "ttft_p50_ms": 1.0, "ttft_p90_ms": 1.0}
+    res = {"points": [{"input_len": 256, "concurrency": c} for c in (1, 4, 8)],
+           "deployments": [{"deployment": "pushsvc", "runs": [
+               {**run, "input_len": 256, "concurrency": 1, "tpot_p50_ms": 8.0,
+                "phases_p50_ms": {"after_prefill": 9.5}},
+               {**run, "input_len": 256, "concurrency": 4, "tpot_p50_ms": 9.0,
+                "phases_p50_ms": {"after_prefill": 30.0}},
+               {**run, "input_len": 256, "concurrency": 8, "tpot_p50_ms": 10.0,
+                "phases_p50_ms": {"after_prefill": 16.0}}]}]}
+    assert latency.overhead_goal(res) == [
+        "in256 c=1 pushsvc: transfer overhead 1.5 ms (TTFT - prefill 9.5 - one D step 8.0): goal <= 2 ms met",
+        "in256 c=4 pushsvc: transfer overhead 21.0 ms (TTFT - prefill 30.0 - one D step 9.0): "
+        "no goal at this concurrency",
+        "in256 c=8 pushsvc: transfer overhead 6.0 ms (TTFT - prefill 16.0 - one D step 10.0): goal <= 5 ms not met"]
