@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -229,6 +230,14 @@ def _layers(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
 
 
+def spin_env(spin_ms: float, env: dict[str, str]) -> None:
+    """Put ``benchmarks/vllm_spin`` first on ``env``'s PYTHONPATH with the spin it sets, for
+    every process the deployments then start."""
+    env["BENCH_VLLM_SPIN_S"] = str(spin_ms / 1000.0)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent / "vllm_spin"),
+                                                      env.get("PYTHONPATH")]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="output folder (default bench-results/latency-<time>)")
@@ -242,7 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--events", action="store_true",
                     help="also print, per run, the median gap between consecutive events of P's and D's "
                          "daemon timelines (where the transfer goes)")
+    ap.add_argument("--vllm-spin-ms", type=float,
+                    help="diagnostic: how long vLLM's workers spin for their next step (vLLM's own: 1000), "
+                         "in every deployment (benchmarks/vllm_spin)")
     args = ap.parse_args(argv)
+    if args.vllm_spin_ms is not None:
+        spin_env(args.vllm_spin_ms, os.environ)
     out = Path(args.out or ROOT / "bench-results" / f"latency-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     model = ensure_tiny_model(args.model_dir)
@@ -250,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"model": model, "output_len": args.output_len, "prompts": args.prompts,
                  "client": "vllm.benchmarks.serve (random dataset, streamed /v1/completions, ignore_eos)",
                  "points": [{"input_len": p.input_len, "concurrency": p.concurrency} for p in points],
-                 "deployments": [], "started": datetime.now().isoformat(timespec="seconds")}
+                 "deployments": [], "started": datetime.now().isoformat(timespec="seconds"),
+                 "vllm_spin_ms": args.vllm_spin_ms}
     for name in args.deployments.split(","):
         if name not in DEPLOYMENTS:
             raise SystemExit(f"unknown deployment {name!r}; known: {sorted(DEPLOYMENTS)}")

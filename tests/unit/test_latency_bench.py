@@ -124,3 +124,24 @@ def test_the_transfer_overhead_is_ttft_after_the_prefill_less_one_d_step() -> No
         "in256 c=4 pushsvc: transfer overhead 21.0 ms (TTFT - prefill 30.0 - one D step 9.0): "
         "no goal at this concurrency",
         "in256 c=8 pushsvc: transfer overhead 6.0 ms (TTFT - prefill 16.0 - one D step 10.0): goal <= 5 ms not met"]
+
+
+def test_the_spin_diagnostic_sets_vllms_worker_spin_in_the_processes_it_starts(tmp_path) -> None:
+    """``--vllm-spin-ms``: a process started with the environment it builds gets vLLM's
+    real ``SpinCondition`` with that spin; without the variable, vLLM's own second."""
+    import os
+    import subprocess
+
+    probe = ("import zmq\n"
+             "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
+             f"c = SpinCondition(True, zmq.Context(), 'ipc://{tmp_path}/notify')\n"
+             "print(c.busy_loop_s)\n")
+    env = {k: v for k, v in os.environ.items() if k != "BENCH_VLLM_SPIN_S"}
+    latency.spin_env(2.5, env)
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("benchmarks/vllm_spin")
+    got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert float(got.stdout.split()[-1]) == 0.0025
+    del env["BENCH_VLLM_SPIN_S"]
+    got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0 and float(got.stdout.split()[-1]) == 1.0, got.stderr[-2000:]
