@@ -68,12 +68,13 @@ def client_run(url: str, model: str, point: Point, args: argparse.Namespace, out
 
 def run_deployment(name: str, model: str, points: list[Point], args: argparse.Namespace, out: Path) -> dict:
     rec: dict = {"deployment": name, "runs": []}
-    with serving.BenchStack(out / "logs" / name, progress=print) as stack:
+    with serving.BenchStack(out / "logs" / name, progress=print, vllm_stats=args.vllm_stats) as stack:
         dep = DEPLOYMENTS[name](stack, model)
         warm = Point(min(p.input_len for p in points), 1)
         client_run(dep.url, model, warm, argparse.Namespace(**{**vars(args), "prompts": 4}), out, f"{name}-warm-")
         for point in points:
             prefix = f"{name}-{point.tag}-"
+            stats_before = serving._scrape(_metrics_urls(dep), VLLM_TIMERS) if args.vllm_stats else {}
             result = client_run(dep.url, model, point, args, out, f"{name}-")
             stats = serving.phase_stats(dep, args.prompts, prefix) or {}
             run = {"input_len": point.input_len, "concurrency": point.concurrency,
@@ -81,12 +82,16 @@ def run_deployment(name: str, model: str, points: list[Point], args: argparse.Na
                    "ttft_p50_ms": result.get("median_ttft_ms"), "ttft_p90_ms": result.get("p90_ttft_ms"),
                    "tpot_p50_ms": result.get("median_tpot_ms"),
                    "phases_p50_ms": stats.get("p50"), "phases_tail_ms": stats.get("tail")}
+            if args.vllm_stats:
+                run["vllm_means_ms"] = vllm_means(stats_before, serving._scrape(_metrics_urls(dep), VLLM_TIMERS))
             if args.events and dep.timelines is not None:
                 run["events_p50_ms"] = event_medians(dep, args.prompts, prefix)
             rec["runs"].append(run)
             print(f"  {name} {point.tag}: TTFT p50 {run['ttft_p50_ms']:.1f} ms, p90 {run['ttft_p90_ms']:.1f} ms, "
                   f"{run['completed']} completed, {run['failed']} failed"
                   + (f"; phases {run['phases_p50_ms']}" if run["phases_p50_ms"] else ""), flush=True)
+            if run.get("vllm_means_ms"):
+                print(f"    vLLM's own means: {run['vllm_means_ms']}", flush=True)
             if run["phases_tail_ms"]:
                 print(f"    slowest requests, over each phase's median: {run['phases_tail_ms']}", flush=True)
             for step, (ms, n) in run.get("events_p50_ms", {}).items():
@@ -230,6 +235,36 @@ def _layers(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
 
 
+# vLLM's request histograms: arrival at the EngineCore -> scheduled, scheduled -> first
+# token (both EngineCore's clock), arrival at the API server -> first token out of it.
+VLLM_TIMERS = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+               "vllm:time_to_first_token_seconds")
+
+
+def _metrics_urls(dep: serving.Deployment) -> dict[str, str]:
+    return {label: f"{url}/metrics" for label, url in dep.servers.items()}
+
+
+def vllm_means(before: dict[str, float], after: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per vLLM server of the deployment, the mean of each of ``VLLM_TIMERS`` over the
+    requests between two scrapes (ms): ``queue`` (on D: the wait for the KV included),
+    ``first_token`` (scheduled -> first token: on D, the step that computes the prompt's
+    last token), ``ttft`` and ``frontend`` (ttft - queue - first_token: the API server's
+    and the process hops' share)."""
+    means = serving._timer_means(before, after)
+    out: dict[str, dict[str, float]] = {}
+    for key, ms in means.items():
+        label, name = key.split(":", 1)
+        short = {"vllm:request_queue_time_seconds_mean_ms": "queue",
+                 "vllm:request_prefill_time_seconds_mean_ms": "first_token",
+                 "vllm:time_to_first_token_seconds_mean_ms": "ttft"}[name]
+        out.setdefault(label, {})[short] = round(ms, 3)
+    for times in out.values():
+        if {"queue", "first_token", "ttft"} <= times.keys():
+            times["frontend"] = round(times["ttft"] - times["queue"] - times["first_token"], 3)
+    return out
+
+
 def spin_env(spin_ms: float, env: dict[str, str]) -> None:
     """Put ``benchmarks/vllm_spin`` first on ``env``'s PYTHONPATH with the spin it sets, for
     every process the deployments then start."""
@@ -254,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-spin-ms", type=float,
                     help="diagnostic: how long vLLM's workers spin for their next step (vLLM's own: 1000), "
                          "in every deployment (benchmarks/vllm_spin)")
+    ap.add_argument("--vllm-stats", action="store_true",
+                    help="keep vLLM's statistics on and print, per run, the means of its request histograms "
+                         "(queue, scheduled -> first token, TTFT) for each vLLM server")
     args = ap.parse_args(argv)
     if args.vllm_spin_ms is not None:
         spin_env(args.vllm_spin_ms, os.environ)

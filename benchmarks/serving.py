@@ -46,13 +46,18 @@ MAX_FAILURES = 3  # per workload; then its other requests are skipped
 
 class BenchStack(Stack):
     """``Stack`` with extra environment variables per process name (vLLM's NIXL side
-    channel is configured only through the environment)."""
+    channel is configured only through the environment); with ``vllm_stats``, its vLLM
+    servers keep their statistics (``/metrics``' request histograms), which ``Stack``
+    turns off."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, vllm_stats: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.env_for: dict[str, dict[str, str]] = {}
+        self.vllm_stats = vllm_stats
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, on: Host | None = None) -> Proc:
+        if self.vllm_stats and "vllm.entrypoints.openai.api_server" in argv:
+            argv = [a for a in argv if a != "--disable-log-stats"]
         return super()._spawn(name, argv, {**(env or {}), **self.env_for.get(name, {})}, on=on)
 
 
@@ -63,14 +68,16 @@ class Deployment:
     metrics: dict[str, str] = field(default_factory=dict)  # label -> Prometheus /metrics URL
     # pushsvc: the last ``n`` requests' timelines (proxy log, P's and D's daemons)
     timelines: Callable[[int], tuple[list[dict], list[dict], list[dict]]] | None = None
+    servers: dict[str, str] = field(default_factory=dict)  # label -> a vLLM server's base URL
 
 
 # Daemon histograms whose per-workload mean says where a pushsvc request's time goes.
 DAEMON_TIMERS = ("pushsvc_match_wait_seconds", "pushsvc_transfer_seconds", "pushsvc_recv_seconds")
 
 
-def _scrape(urls: dict[str, str]) -> dict[str, float]:
-    """``label:metric_sum`` / ``label:metric_count`` for DAEMON_TIMERS at each URL."""
+def _scrape(urls: dict[str, str], timers: tuple[str, ...] = DAEMON_TIMERS) -> dict[str, float]:
+    """``label:metric_sum`` / ``label:metric_count`` for ``timers`` at each URL, over all
+    of a timer's series (vLLM labels its own by engine and model)."""
     out: dict[str, float] = {}
     for label, url in urls.items():
         try:
@@ -79,9 +86,10 @@ def _scrape(urls: dict[str, str]) -> dict[str, float]:
         except OSError:
             continue
         for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in DAEMON_TIMERS:
-                out[f"{label}:{name}"] = float(value)
+            series, _, value = line.rpartition(" ")
+            name = series.split("{", 1)[0]
+            if not line.startswith("#") and name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in timers:
+                out[f"{label}:{name}"] = out.get(f"{label}:{name}", 0.0) + float(value)
     return out
 
 
@@ -135,7 +143,7 @@ def _together(stack: Stack, starts: dict[str, Callable[[], Proc]]) -> list[Proc]
 
 def _colocated(stack: BenchStack, model: str) -> Deployment:
     p = stack.vllm("colocated", model, extra=VLLM_EXTRA)
-    return Deployment(p.url, {"vllm": p.popen.pid})
+    return Deployment(p.url, {"vllm": p.popen.pid}, servers={"colocated": p.url})
 
 
 def _nixl(mode: str, prog_thread: bool, extra: dict, name: str) -> Callable[[BenchStack, str], Deployment]:
@@ -187,7 +195,7 @@ def _pushsvc(stack: BenchStack, model: str, p_extra: dict | None = None, d_flags
 
     return Deployment(proxy.url, {"P": p.popen.pid, "D": d.popen.pid, "daemon-P": pd.popen.pid,
                                   "daemon-D": dd.popen.pid, "proxy": proxy.popen.pid},
-                      {"P": f"{pd.url}/metrics", "D": f"{dd.url}/metrics"}, timelines)
+                      {"P": f"{pd.url}/metrics", "D": f"{dd.url}/metrics"}, timelines, {"P": p.url, "D": d.url})
 
 
 _PD = {"pinning": "P worker on core 0, D worker on core 1 (VLLM_CPU_OMP_THREADS_BIND)"}

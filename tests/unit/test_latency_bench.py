@@ -145,3 +145,63 @@ def test_the_spin_diagnostic_sets_vllms_worker_spin_in_the_processes_it_starts(t
     del env["BENCH_VLLM_SPIN_S"]
     got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert got.returncode == 0 and float(got.stdout.split()[-1]) == 1.0, got.stderr[-2000:]
+
+
+def _serve_metrics(texts: list[str]):
+    """A local /metrics endpoint that answers each scrape with the next of ``texts``."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = texts.pop(0).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _vllm_exposition(queue: tuple[float, int], first: tuple[float, int], ttft: tuple[float, int]) -> str:
+    lines = ["# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request."]
+    for name, (total, count) in (("request_queue_time_seconds", queue), ("request_prefill_time_seconds", first),
+                                 ("time_to_first_token_seconds", ttft)):
+        labels = '{engine="0",model_name="/tmp/m"}'
+        lines += [f'vllm:{name}_bucket{{engine="0",le="0.01",model_name="/tmp/m"}} {count}',
+                  f"vllm:{name}_sum{labels} {total}", f"vllm:{name}_count{labels} {count}"]
+    lines.append('vllm:time_to_first_token_seconds_created{engine="0",model_name="/tmp/m"} 1.7e9')
+    return "\n".join(lines) + "\n"
+
+
+def test_vllms_own_means_per_server_over_one_run() -> None:
+    """``--vllm-stats``: the histograms of D's vLLM, scraped before and after a run, give
+    the run's means; the frontend's share is what TTFT leaves after queue and first token."""
+    before = _vllm_exposition((1.0, 10), (0.5, 10), (2.0, 10))
+    after = _vllm_exposition((1.0 + 4 * 0.0115, 14), (0.5 + 4 * 0.004, 14), (2.0 + 4 * 0.0212, 14))
+    server = _serve_metrics([before, after])
+    try:
+        urls = {"D": f"http://127.0.0.1:{server.server_port}/metrics"}
+        got = latency.vllm_means(serving._scrape(urls, latency.VLLM_TIMERS), serving._scrape(urls, latency.VLLM_TIMERS))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got == {"D": {"queue": 11.5, "first_token": 4.0, "ttft": 21.2, "frontend": 5.7}}
+    # A server that did not answer gives nothing, not a zero.
+    assert latency.vllm_means({}, serving._scrape({"P": "http://127.0.0.1:9/metrics"}, latency.VLLM_TIMERS)) == {}
+
+
+def test_the_bench_stack_keeps_vllms_statistics_only_when_asked(monkeypatch, tmp_path) -> None:
+    seen = []
+    monkeypatch.setattr(serving.Stack, "_spawn", lambda self, name, argv, env=None, on=None: seen.append(argv))
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--enforce-eager", "--disable-log-stats"]
+    serving.BenchStack(tmp_path / "a")._spawn("v", argv)
+    serving.BenchStack(tmp_path / "b", vllm_stats=True)._spawn("v", argv)
+    serving.BenchStack(tmp_path / "c", vllm_stats=True)._spawn("daemon", ["pushsvc", "--disable-log-stats"])
+    assert "--disable-log-stats" in seen[0] and "--disable-log-stats" not in seen[1]
+    assert seen[2] == ["pushsvc", "--disable-log-stats"]  # only vLLM servers change
