@@ -6,9 +6,12 @@ deployment: a colocated vLLM, and pushsvc's P/D (two vLLM CPU servers, their dae
 the proxy). For every input length and concurrency, the client's TTFT p50/p90 and, for
 pushsvc, the TTFT of the same requests split into phases from their three timelines
 (``attribution.py``: P's queue and prefill, transfer, D notified, D's first step, the
-proxy's forwarding), and which phase holds the slowest requests' extra time (the "tail
-owner": over the slowest eighth, the phase furthest above its median). Prints a table; writes ``latency.json`` and ``latency.png`` into
-``--out``. ``make bench-latency`` runs it; ``BENCH_ARGS`` passes arguments.
+proxy's forwarding), which phase holds the slowest requests' extra time (the "tail
+owner": over the slowest eighth, the phase furthest above its median) and the transfer
+overhead against its goal. Prints a table; writes ``latency.json`` and ``latency.png``
+into ``--out``. ``make bench-latency`` runs it; ``BENCH_ARGS`` passes arguments.
+Diagnostics: ``--vllm-stats`` (vLLM's own request histograms per server),
+``--vllm-spin-ms`` (``vllm_spin/sitecustomize.py``).
 """
 
 from __future__ import annotations

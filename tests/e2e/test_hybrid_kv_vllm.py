@@ -11,8 +11,9 @@ are blocks D never reads: one request at a time (each side), the first token of 
 output equals colocated's, and a later token may differ only where colocated's own two best
 tokens were within ``NEAR_TIE`` nats (D computes each prompt's last token again, so its
 bf16 sums round differently). Eight at a time, a batch's make-up changes the rounding
-too, so there the tests check only that every push lands byte-identical. The same runs measure the KV memory D saves: vLLM's own
-KV-cache capacity, in tokens, of the two (same KV memory, ``VLLM_CPU_KVCACHE_SPACE``).
+too, so there the tests check only that every push lands byte-identical. The same runs
+measure the KV memory D saves: vLLM's own KV-cache capacity, in tokens, of the two (same
+KV memory, ``VLLM_CPU_KVCACHE_SPACE``).
 """
 
 from __future__ import annotations
