@@ -238,10 +238,12 @@ def _layers(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
 
 
-# vLLM's request histograms: arrival at the EngineCore -> scheduled, scheduled -> first
-# token (both EngineCore's clock), arrival at the API server -> first token out of it.
-VLLM_TIMERS = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
-               "vllm:time_to_first_token_seconds")
+# vLLM's request histograms, by the name ``vllm_means`` gives them: arrival at the
+# EngineCore -> scheduled, scheduled -> first token (both EngineCore's clock), arrival at
+# the API server -> first token out of it.
+VLLM_HISTOGRAMS = {"queue": "vllm:request_queue_time_seconds", "first_token": "vllm:request_prefill_time_seconds",
+                   "ttft": "vllm:time_to_first_token_seconds"}
+VLLM_TIMERS = tuple(VLLM_HISTOGRAMS.values())
 
 
 def _metrics_urls(dep: serving.Deployment) -> dict[str, str]:
@@ -254,14 +256,11 @@ def vllm_means(before: dict[str, float], after: dict[str, float]) -> dict[str, d
     ``first_token`` (scheduled -> first token: on D, the step that computes the prompt's
     last token), ``ttft`` and ``frontend`` (ttft - queue - first_token: the API server's
     and the process hops' share)."""
-    means = serving._timer_means(before, after)
+    short = {f"{metric}_mean_ms": name for name, metric in VLLM_HISTOGRAMS.items()}
     out: dict[str, dict[str, float]] = {}
-    for key, ms in means.items():
-        label, name = key.split(":", 1)
-        short = {"vllm:request_queue_time_seconds_mean_ms": "queue",
-                 "vllm:request_prefill_time_seconds_mean_ms": "first_token",
-                 "vllm:time_to_first_token_seconds_mean_ms": "ttft"}[name]
-        out.setdefault(label, {})[short] = round(ms, 3)
+    for key, ms in serving._timer_means(before, after).items():
+        label, metric = key.split(":", 1)
+        out.setdefault(label, {})[short[metric]] = round(ms, 3)
     for times in out.values():
         if {"queue", "first_token", "ttft"} <= times.keys():
             times["frontend"] = round(times["ttft"] - times["queue"] - times["first_token"], 3)

@@ -136,8 +136,8 @@ def test_the_hybrid_manager_stays_on_with_three_groups_registered(hybrid: Hybrid
 
 
 def _push_all(pd: HybridPD, reqs: list[Req], concurrency: int) -> dict[str, Outcome]:
-    """``reqs`` through the proxy, ``concurrency`` at a time; each one succeeded, P pushed
-    each once and each push is byte-identical at D."""
+    """``reqs`` through the proxy, ``concurrency`` at a time; each one succeeded, P's
+    daemon counted a push done for each and D's found each byte-identical."""
     verified_before = verify_results(pd.decode_daemon.url) or {}
     done_before = _done(pd)
     got = generate_all(pd.proxy.url, reqs, concurrency=concurrency)
