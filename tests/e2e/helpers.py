@@ -506,6 +506,25 @@ def verify_results(daemon_url: str) -> dict[str, float] | None:
     return by_label(scrape(daemon_url), names.pop(), "result")
 
 
+def assert_pushes_identical(daemon_url: str, before: dict[str, float], pushes: int, timeout: float) -> None:
+    """D's daemon at ``daemon_url`` (verify mode) has checked ``pushes`` more pushes since
+    its counters read ``before`` (``verify_results`` then), and found each byte-identical
+    to P's blocks: none mismatched, none short, none more."""
+    def since() -> dict[str, float]:
+        now = verify_results(daemon_url) or {}
+        return {k: v - before.get(k, 0.0) for k, v in now.items() if v != before.get(k, 0.0)}
+
+    checked = wait_for("D daemon's verified pushes", since, lambda d: sum(d.values()) >= pushes, timeout)
+    assert checked.get("identical", 0) == pushes == sum(checked.values()), (
+        f"verify mode: {checked} for {pushes} pushes")
+
+
+def assert_all_ok(got: dict[str, Outcome], where: str, logs: Callable[[], str]) -> None:
+    """Every request of ``got`` succeeded through ``where``."""
+    failed = {name: str(o) for name, o in got.items() if not o.ok}
+    assert not failed, f"requests failed through {where}: {failed}\n{logs()}"
+
+
 def tables(daemon_url: str) -> dict[str, int]:
     return get_json(daemon_url + "/v1/info")["tables"]
 
@@ -540,8 +559,7 @@ def assert_like_colocated(got: dict[str, Outcome], refs: dict[str, Outcome], req
     colocated reference: the first token always (D's first step on the pushed KV), later ones
     but for bf16 near-ties, which may flip a later greedy pick once in a while (at most one
     request in 24; more is a bug)."""
-    failed = {name: str(o) for name, o in got.items() if not o.ok}
-    assert not failed, f"requests failed through {where}: {failed}\n{logs()}"
+    assert_all_ok(got, where, logs)
     diverged = {r.name: diverged_at(got[r.name].tokens, refs[r.name].tokens) for r in reqs}
     diverged = {name: at for name, at in diverged.items() if at is not None}
     detail = {name: (got[name].tokens, refs[name].tokens) for name in diverged}

@@ -43,6 +43,8 @@ from helpers import (
     E2EStack,
     Outcome,
     Req,
+    assert_all_ok,
+    assert_pushes_identical,
     completion,
     differences_at_ties,
     generate_all,
@@ -138,13 +140,8 @@ def _push_all(pd: HeteroPD, reqs: list[Req], concurrency: int) -> dict[str, Outc
     done_before = metric(scrape(pd.prefill_daemon.url), "pushsvc_transfers_total", result="done") or 0.0
     released_before = metric(scrape(pd.prefill_daemon.url), "pushsvc_transfers_total", result="released") or 0.0
     got = generate_all(pd.proxy.url, reqs, concurrency=concurrency)
-    failed = {name: str(o) for name, o in got.items() if not o.ok}
-    assert not failed, f"requests failed through the proxy: {failed}\n{pd.logs()}"
-    checked = wait_for("D daemon's verified pushes",
-                       lambda: {k: v - verified_before.get(k, 0.0)
-                                for k, v in (verify_results(pd.decode_daemon.url) or {}).items()},
-                       lambda d: sum(d.values()) >= len(reqs), SETTLE_S)
-    assert checked.get("identical", 0) == len(reqs) == sum(checked.values()), checked
+    assert_all_ok(got, "the proxy", pd.logs)
+    assert_pushes_identical(pd.decode_daemon.url, verified_before, len(reqs), SETTLE_S)
     # P TP 2 -> D TP 1: gqa, each request is two WRITEs, one per P rank; mla, one WRITE and
     # one release. P TP 1 -> D TP 2: one WRITE through D's joint agent, either model.
     split = pd.kind == "gqa" and pd.p_tp > pd.d_tp

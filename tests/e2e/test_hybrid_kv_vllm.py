@@ -32,6 +32,8 @@ from helpers import (
     E2EStack,
     Outcome,
     Req,
+    assert_all_ok,
+    assert_pushes_identical,
     build_requests,
     completion,
     differences_at_ties,
@@ -141,14 +143,9 @@ def _push_all(pd: HybridPD, reqs: list[Req], concurrency: int) -> dict[str, Outc
     verified_before = verify_results(pd.decode_daemon.url) or {}
     done_before = _done(pd)
     got = generate_all(pd.proxy.url, reqs, concurrency=concurrency)
-    failed = {name: str(o) for name, o in got.items() if not o.ok}
-    assert not failed, f"requests failed through the proxy: {failed}\n{pd.logs()}"
+    assert_all_ok(got, "the proxy", pd.logs)
     wait_for("P daemon's completed pushes", lambda: _done(pd) - done_before, lambda n: n >= len(reqs), SETTLE_S)
-    checked = wait_for("D daemon's verified pushes",
-                       lambda: {k: v - verified_before.get(k, 0.0)
-                                for k, v in (verify_results(pd.decode_daemon.url) or {}).items()},
-                       lambda d: sum(d.values()) >= len(reqs), SETTLE_S)
-    assert checked.get("identical", 0) == len(reqs) == sum(checked.values()), checked
+    assert_pushes_identical(pd.decode_daemon.url, verified_before, len(reqs), SETTLE_S)
     wait_tables_zero({"prefill": pd.prefill_daemon.url, "decode": pd.decode_daemon.url}, SETTLE_S)
     return got
 

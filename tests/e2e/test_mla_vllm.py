@@ -29,6 +29,8 @@ from helpers import (
     E2EStack,
     Outcome,
     Req,
+    assert_all_ok,
+    assert_pushes_identical,
     completion,
     differences_at_ties,
     generate,
@@ -119,13 +121,8 @@ def test_each_layer_is_one_region_of_latent_rows(mla: MlaPD) -> None:
 def test_pushes_verify_and_d_differs_from_colocated_only_at_near_ties(mla: MlaPD) -> None:
     verified_before = verify_results(mla.decode_daemon.url) or {}
     got = generate_all(mla.proxy.url, mla.reqs, concurrency=1)
-    failed = {name: str(o) for name, o in got.items() if not o.ok}
-    assert not failed, f"requests failed through the proxy: {failed}\n{mla.logs()}"
-    checked = wait_for("D daemon's verified pushes",
-                       lambda: {k: v - verified_before.get(k, 0.0)
-                                for k, v in (verify_results(mla.decode_daemon.url) or {}).items()},
-                       lambda d: sum(d.values()) >= len(mla.reqs), SETTLE_S)
-    assert checked.get("identical", 0) == len(mla.reqs) == sum(checked.values()), checked
+    assert_all_ok(got, "the proxy", mla.logs)
+    assert_pushes_identical(mla.decode_daemon.url, verified_before, len(mla.reqs), SETTLE_S)
     report, not_ties = differences_at_ties(mla.reqs, got, mla.refs, NEAR_TIE)
     print(f"{len(mla.reqs) - len(report)} of {len(mla.reqs)} outputs equal colocated; the others:",
           *report, sep="\n  ")

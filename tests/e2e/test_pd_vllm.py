@@ -24,6 +24,7 @@ from helpers import (
     Outcome,
     Req,
     assert_like_colocated,
+    assert_pushes_identical,
     completion,
     generate,
     generate_all,
@@ -98,15 +99,8 @@ def _verified(pd: PD) -> dict[str, float]:
 
 def _assert_verified(pd: PD, before: dict[str, float], pushes: int) -> None:
     """In verify mode, D's daemon found the last ``pushes`` pushes byte-identical to P's blocks."""
-    if not pd.verify:
-        return
-
-    def delta() -> dict[str, float]:
-        return {k: v - before.get(k, 0.0) for k, v in _verified(pd).items() if v != before.get(k, 0.0)}
-
-    checked = wait_for("D daemon's verified pushes", delta, lambda d: sum(d.values()) >= pushes, SETTLE_S)
-    assert checked.get("identical", 0) == pushes and sum(checked.values()) == pushes, (
-        f"verify mode: {checked} for {pushes} pushes")
+    if pd.verify:
+        assert_pushes_identical(pd.decode_daemon.url, before, pushes, SETTLE_S)
 
 
 def _idle_kv(pd: PD) -> dict[str, float]:
