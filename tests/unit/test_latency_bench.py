@@ -40,6 +40,9 @@ def test_phases_count_only_the_requests_of_the_run_they_belong_to(monkeypatch) -
     assert got is not None and got["requests"] == 3 and got["ttft"] == 20.0 and got["transfer"] == 2.0
     stats = serving.phase_stats(dep, 3, "pushsvc-in64-c1-")
     assert stats is not None and stats["p50"] == got and stats["tail"]["ttft"] == 0.0  # three equal requests
+    # Each request of the run, by the proxy's request id, kept for the JSON.
+    assert sorted(stats["requests"]) == [f"pushsvc-in64-c1-{i}" for i in range(3)]
+    assert all(r["ttft"] == 20.0 and r["transfer"] == 2.0 for r in stats["requests"].values())
     assert serving.phase_medians(serving.Deployment("http://y", {}), 3, "colocated-") is None
 
 
