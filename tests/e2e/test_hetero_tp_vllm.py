@@ -43,10 +43,8 @@ from helpers import (
     E2EStack,
     Outcome,
     Req,
-    assert_all_ok,
     assert_pushes_identical,
     completion,
-    differences_at_ties,
     generate_all,
     get_json,
     metric,
@@ -56,6 +54,7 @@ from helpers import (
     wait_for,
     wait_tables_zero,
 )
+from outputs import assert_all_ok, differences_at_ties
 
 from pushsvc.launch import Proc, connector_config
 from pushsvc.tinymodel import ensure_tiny_model

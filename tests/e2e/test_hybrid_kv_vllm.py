@@ -32,12 +32,9 @@ from helpers import (
     E2EStack,
     Outcome,
     Req,
-    assert_all_ok,
     assert_pushes_identical,
     build_requests,
     completion,
-    differences_at_ties,
-    diverged_at,
     generate,
     generate_all,
     get_json,
@@ -48,6 +45,7 @@ from helpers import (
     wait_for,
     wait_tables_zero,
 )
+from outputs import assert_all_ok, differences_at_ties, diverged_at
 
 from pushsvc.launch import Proc, connector_config
 from pushsvc.tinymodel import ensure_tiny_model

@@ -22,7 +22,6 @@ from helpers import (
     PD,
     PREFILL_LEG_PARAMS,
     PDOptions,
-    assert_like_colocated,
     completion,
     generate_all,
     get_json,
@@ -37,6 +36,7 @@ from helpers import (
     wait_kv_usage,
     wait_tables_zero,
 )
+from outputs import assert_like_colocated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

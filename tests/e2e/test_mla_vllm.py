@@ -29,10 +29,8 @@ from helpers import (
     E2EStack,
     Outcome,
     Req,
-    assert_all_ok,
     assert_pushes_identical,
     completion,
-    differences_at_ties,
     generate,
     generate_all,
     get_json,
@@ -43,6 +41,7 @@ from helpers import (
     wait_for,
     wait_tables_zero,
 )
+from outputs import assert_all_ok, differences_at_ties
 
 from pushsvc.launch import Proc, connector_config
 from pushsvc.tinymodel import ensure_tiny_model

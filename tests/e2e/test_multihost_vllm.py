@@ -33,7 +33,6 @@ from helpers import (
     E2EStack,
     Outcome,
     Req,
-    assert_like_colocated,
     build_requests,
     completion,
     generate,
@@ -45,6 +44,7 @@ from helpers import (
     text_with_tokens,
     wait_for,
 )
+from outputs import assert_like_colocated
 from netns import Host, Hosts
 
 from pushsvc.launch import Proc, connector_config

@@ -23,7 +23,6 @@ from helpers import (
     WATCHDOG_S,
     Outcome,
     Req,
-    assert_like_colocated,
     assert_pushes_identical,
     completion,
     generate,
@@ -43,6 +42,7 @@ from helpers import (
     wait_kv_usage,
     wait_tables_zero,
 )
+from outputs import assert_like_colocated
 from pushsvc.client import DaemonClient
 from pushsvc.protocol import worker as wp
 from pushsvc.protocol.framing import PREAMBLE, encode_preamble, frame

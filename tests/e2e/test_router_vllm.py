@@ -41,7 +41,6 @@ from helpers import (
     Outcome,
     PDOptions,
     Req,
-    assert_like_colocated,
     generate,
     generate_all,
     get_json,
@@ -51,6 +50,7 @@ from helpers import (
     wait_kv_usage,
     wait_tables_zero,
 )
+from outputs import assert_like_colocated
 
 from pushsvc.launch import Proc
 
