@@ -85,7 +85,7 @@ def run_deployment(name: str, model: str, points: list[Point], args: argparse.Na
                    "ttft_p50_ms": result.get("median_ttft_ms"), "ttft_p90_ms": result.get("p90_ttft_ms"),
                    "tpot_p50_ms": result.get("median_tpot_ms"),
                    "phases_p50_ms": stats.get("p50"), "phases_tail_ms": stats.get("tail"),
-                   "phases_per_request_ms": stats.get("requests")}
+                   "phases_per_request_ms": stats.get("per_request")}
             if args.vllm_stats:
                 run["vllm_means_ms"] = vllm_means(stats_before, serving._scrape(_metrics_urls(dep), VLLM_TIMERS))
             if args.events and dep.timelines is not None:

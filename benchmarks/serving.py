@@ -350,9 +350,9 @@ def phase_medians(dep: Deployment, n: int, prefix: str = "") -> dict[str, float]
 
 def phase_stats(dep: Deployment, n: int, prefix: str = "") -> dict[str, dict] | None:
     """``phase_medians`` as ``p50``, as ``tail`` where the slowest requests' extra time
-    went (``attribution.tail_excess``), and each request's phases as ``requests`` (proxy
+    went (``attribution.tail_excess``), and each request's phases as ``per_request`` (proxy
     request id -> phase -> ms, for a look at one run's tail afterwards); ``tail`` and
-    ``requests`` are empty where the timelines cannot be read."""
+    ``per_request`` are empty where the timelines cannot be read."""
     if dep.timelines is None:
         return None
     time.sleep(0.5)  # the proxy logs a request's timeline as its response ends
@@ -362,9 +362,9 @@ def phase_stats(dep: Deployment, n: int, prefix: str = "") -> dict[str, dict] | 
             proxy = [line for line in proxy if str(line.get("request_id", "")).startswith(prefix)]
         per_request = attribution.attribute(proxy, p, d)
     except (OSError, ValueError, KeyError) as exc:
-        return {"p50": {"requests": 0, "error": str(exc)[:200]}, "tail": {}, "requests": {}}
+        return {"p50": {"requests": 0, "error": str(exc)[:200]}, "tail": {}, "per_request": {}}
     return {"p50": attribution.medians(per_request), "tail": attribution.tail_excess(per_request),
-            "requests": per_request}
+            "per_request": per_request}
 
 
 def _idle(meter: CpuMeter, seconds: float) -> tuple[dict[str, float], float]:

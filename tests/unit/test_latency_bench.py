@@ -41,8 +41,8 @@ def test_phases_count_only_the_requests_of_the_run_they_belong_to(monkeypatch) -
     stats = serving.phase_stats(dep, 3, "pushsvc-in64-c1-")
     assert stats is not None and stats["p50"] == got and stats["tail"]["ttft"] == 0.0  # three equal requests
     # Each request of the run, by the proxy's request id, kept for the JSON.
-    assert sorted(stats["requests"]) == [f"pushsvc-in64-c1-{i}" for i in range(3)]
-    assert all(r["ttft"] == 20.0 and r["transfer"] == 2.0 for r in stats["requests"].values())
+    assert sorted(stats["per_request"]) == [f"pushsvc-in64-c1-{i}" for i in range(3)]
+    assert all(r["ttft"] == 20.0 and r["transfer"] == 2.0 for r in stats["per_request"].values())
     assert serving.phase_medians(serving.Deployment("http://y", {}), 3, "colocated-") is None
 
 
