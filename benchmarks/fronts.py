@@ -32,6 +32,7 @@ import tempfile
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Protocol, Sequence
 
 from pushsvc.launch import Host, Proc, Stack, connector_config, free_port
 from pushsvc.loadgen.client import Batch, Result, run_batch
@@ -44,6 +45,12 @@ VLLM_EXTRA = ("--no-enable-prefix-caching",)  # every round measures a prefill a
 WARMUP_REQUESTS = 3  # per front: the router's first one goes P then D, later ones both at once
 
 
+class Server(Protocol):
+    """What the router needs of a server: its URL (a ``Proc``, or a relay in front of one)."""
+
+    url: str
+
+
 def router_binary() -> Path:
     """The ``vllm-router`` of this interpreter's environment (the [vllm] extra installs it)."""
     path = Path(sys.executable).parent / "vllm-router"
@@ -52,7 +59,7 @@ def router_binary() -> Path:
     return path
 
 
-def start_vllm_router(stack: Stack, name: str, prefill: list[Proc], decode: list[Proc], *,
+def start_vllm_router(stack: Stack, name: str, prefill: Sequence[Server], decode: Sequence[Server], *,
                       extra: tuple[str, ...] = (), timeout: float = 120, on: Host | None = None) -> Proc:
     """Start vllm-router in vLLM P/D mode in front of ``prefill`` and ``decode``, as a user
     would: their URLs and ``--kv-connector nixl``, nothing about pushsvc. Stopped with ``stack``.
