@@ -25,18 +25,21 @@ class _Seen:
     def __init__(self) -> None:
         self.data = bytearray()
         self.ends: list[tuple[int, float]] = []  # (offset after the chunk, time.time() on receipt)
+        self._lock = threading.Lock()  # a chunk's bytes and its time are seen together
 
     def add(self, chunk: bytes, t: float) -> None:
-        if len(self.data) < KEEP_BYTES:
-            self.data += chunk
-            self.ends.append((len(self.data), t))
+        with self._lock:
+            if len(self.data) < KEEP_BYTES:
+                self.data += chunk
+                self.ends.append((len(self.data), t))
 
     def arrived(self, marker: bytes) -> float | None:
-        at = self.data.find(marker)
-        if at < 0:
-            return None
-        end = at + len(marker)
-        return next(t for offset, t in self.ends if offset >= end)
+        with self._lock:
+            at = self.data.find(marker)
+            if at < 0:
+                return None
+            end = at + len(marker)
+            return next(t for offset, t in self.ends if offset >= end)
 
 
 class Relay:
