@@ -26,8 +26,8 @@ ends only once no source is open: done if every source landed, else failed. A
 frees blocks another source may still be writing into. In verify mode each source's
 digests are kept apart, for its own slice of the blocks.
 
-A block belongs to at most one tracked registration (``holder``), so the daemon can
-refuse a second registration naming a block P may still write into.
+A block belongs to at most one tracked registration (``holder``, ``state/holders.py``),
+so the daemon can refuse a second registration naming a block P may still write into.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass, field
 from enum import Enum
+
+from pushsvc.state.holders import BlockHolders
 
 PEER_LOST = "peer_lost"
 WATCHDOG = "watchdog"
@@ -156,7 +158,7 @@ class ConsumerTable:
     digest_wait_s: float = 5.0  # verify mode: how long a landed request waits for P's digests
     verify: bool = False  # verify mode: a request is done only once P's digests checked
     pending: dict[str, PendingRecv] = field(default_factory=dict)
-    _holders: dict[tuple[int, int], str] = field(default_factory=dict)  # (group, block) -> request id
+    holders: BlockHolders = field(default_factory=BlockHolders)  # which entry holds each block
 
     # ------------------------------------------------------------------ inputs
 
@@ -167,9 +169,7 @@ class ConsumerTable:
             return None
         entry = PendingRecv(request_id, block_ids, remote, now, now + self.watchdog_s, match_key)
         self.pending[request_id] = entry
-        for g, ids in enumerate(block_ids):
-            for b in ids:
-                self._holders.setdefault((g, b), request_id)
+        self.holders.hold(request_id, block_ids)
         return entry
 
     def mark_sent(self, request_id: str, p_daemon: str, sources: dict[str, int],
@@ -366,12 +366,7 @@ class ConsumerTable:
 
     def holder(self, block_ids: list[list[int]]) -> tuple[int, str] | None:
         """A block of ``block_ids`` that a tracked registration holds, and its holder."""
-        for g, ids in enumerate(block_ids):
-            for b in ids:
-                rid = self._holders.get((g, b))
-                if rid is not None:
-                    return b, rid
-        return None
+        return self.holders.holder(block_ids)
 
     def waiting_on(self, engine_id: str) -> list[PendingRecv]:
         return [e for e in self.pending.values() if e.remote.engine_id == engine_id]
@@ -411,8 +406,5 @@ class ConsumerTable:
     def _drop(self, request_id: str) -> PendingRecv | None:
         entry = self.pending.pop(request_id, None)
         if entry is not None:
-            for g, ids in enumerate(entry.block_ids):
-                for b in ids:
-                    if self._holders.get((g, b)) == request_id:
-                        del self._holders[(g, b)]
+            self.holders.release(request_id)
         return entry

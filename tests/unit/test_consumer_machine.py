@@ -419,7 +419,7 @@ class ConsumerMachine(RuleBasedStateMachine):
             for cell in m.cells():
                 assert cell not in owners, f"{cell} tracked by {owners[cell]} and {rid}"
                 owners[cell] = rid
-        assert self.table._holders == owners
+        assert self.table.holders.cells() == owners
         for (g, b), rid in owners.items():
             assert self.table.holder([[]] * g + [[b]]) == (b, rid)
 
