@@ -36,7 +36,7 @@ class Outbox:
         self._count = 0
 
     def tell(self, rank: Rank, msg: wp.DaemonMessage) -> None:
-        self._timelines.final(rank, msg)
+        ended = self._timelines.final(rank, msg)
         conn = rank.conn
         if conn is None:
             successor = self._ranks.successor(rank)
@@ -47,6 +47,8 @@ class Outbox:
             self._keep((rank.number, rank.pid), msg)
         else:
             self._drop(rank.number, msg)
+        if ended is not None:  # its histograms and log event once the worker has the event, not before
+            self._timelines.report(ended)
 
     def attached(self, rank: Rank) -> None:
         """``rank``'s worker connected: give it what was kept for its process, once the

@@ -46,18 +46,20 @@ class Timelines:
         if timeline is not None:
             timeline.peer_request_id = d_request_id
 
-    def final(self, rank: Rank, msg: wp.DaemonMessage) -> None:
-        """``msg`` goes to ``rank``'s worker: if it is a request's final event, its timeline ends."""
+    def final(self, rank: Rank, msg: wp.DaemonMessage) -> Timeline | None:
+        """``msg`` goes to ``rank``'s worker: if it is a request's final event, its timeline
+        ends now (returned, for ``report`` once the worker has the event)."""
         kind = _FINALS.get(type(msg))
         if kind is None:
-            return
+            return None
         side, outcome = kind
-        timeline = self._book.close((rank, side, msg.request_id), outcome, self._clock())  # type: ignore[attr-defined]
-        if timeline is None:
-            return
+        return self._book.close((rank, side, msg.request_id), outcome, self._clock())  # type: ignore[attr-defined]
+
+    def report(self, timeline: Timeline) -> None:
+        """An ended timeline into ``pushsvc_phase_seconds`` and the ``request_timeline`` event."""
         for phase, seconds in timeline.steps():
-            self._phase(side, phase).observe(seconds)
-        self._phase(side, "total").observe(timeline.total)
+            self._phase(timeline.side, phase).observe(seconds)
+        self._phase(timeline.side, "total").observe(timeline.total)
         if log.is_enabled_for(logging.INFO):  # building the event costs more than the rest
             log.info("request_timeline", **self.describe(timeline))
 

@@ -74,3 +74,27 @@ def test_an_event_for_a_rank_without_pid_is_dropped() -> None:
     out = Outbox(ranks, metrics, keep_s=1.0, timelines=Timelines(metrics, 0))
     out.tell(rank(0, 0, None), wp.SendFailed(request_id="x", reason="r"))
     assert out.kept == 0 and dropped(metrics, "SendFailed") == 1
+
+
+def test_a_final_event_reaches_the_worker_before_its_timeline_is_reported() -> None:
+    """The phases' histograms and the ``request_timeline`` log event come after the
+    worker's event is sent: they are bookkeeping, not on the request's path."""
+    metrics, order = Metrics(), []
+
+    class Recording(Timelines):
+        def report(self, timeline) -> None:
+            order.append(("report", timeline.request_id, timeline.outcome))
+            super().report(timeline)
+
+    class Watching(Conn):
+        def send(self, msg) -> None:
+            order.append(("send", msg.request_id))
+            super().send(msg)
+
+    timelines = Recording(metrics, 4)
+    r = rank(0, 42, Watching(42))
+    timelines.open(r, "recv", "a", "registered")
+    Outbox(RankRegistry(), metrics, keep_s=60.0, timelines=timelines).tell(r, wp.RecvDone(request_id="a"))
+    assert order == [("send", "a"), ("report", "a", "recv_done")]
+    total = metrics.registry.get_sample_value("pushsvc_phase_seconds_count", {"side": "recv", "phase": "total"})
+    assert total == 1.0
