@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pushsvc.state.holders import MAX_BLOCK_ID, BlockHolders
+from pushsvc.state.holders import FEW, MAX_BLOCK_ID, BlockHolders
 
 
 def test_a_held_block_names_its_holder_and_is_free_once_released() -> None:
@@ -45,26 +45,48 @@ def test_a_request_id_holds_once_and_again_after_release() -> None:
     assert h.cells() == {(0, 2): "r"}
 
 
-def test_ids_outside_the_index_are_not_held_and_never_wrap() -> None:
+def test_ids_nobody_holds_are_free() -> None:
     h = BlockHolders()
     h.hold("r", [[0, 1023]])
-    assert h.holder([[-1]]) is None, "a negative id must not index from the end"
+    assert h.holder([[-1]]) is None
     assert h.holder([[-1024]]) is None
     assert h.holder([[10**9]]) is None
     assert h.holder([[], [], [0]]) is None, "a group the index never saw"
 
 
-@pytest.mark.parametrize("bad", [[[-1]], [[1], [MAX_BLOCK_ID + 1]]])
+def test_a_block_named_twice_is_taken_once_and_given_back_once() -> None:
+    h = BlockHolders()
+    h.hold("r", [[4, 4, 5]])
+    assert h.cells() == {(0, 4): "r", (0, 5): "r"}
+    h.release("r")
+    assert h.cells() == {}
+
+
+@pytest.mark.parametrize("bad", [[[-1]], [[1], [MAX_BLOCK_ID + 1]], [list(range(FEW)) + [-5]]])
 def test_a_bad_id_is_refused_before_anything_is_held(bad: list[list[int]]) -> None:
     h = BlockHolders()
     with pytest.raises(ValueError, match="outside"):
         h.hold("r", bad)
     assert h.cells() == {} and len(h) == 0
-    h.hold("r", [[1]])  # the id was not taken by the refused call
+    h.hold("r", [[1]])  # the refused call took nothing, not even the request id
     assert h.cells() == {(0, 1): "r"}
 
 
-def test_the_index_grows_and_keeps_what_it_held() -> None:
+def test_many_ids_go_by_arrays_and_agree_with_few() -> None:
+    h = BlockHolders()
+    many = list(range(10, 10 + 4 * FEW))  # over FEW: the array path
+    h.hold("big", [many, [3]])
+    h.hold("small", [[5, 10, 11], [3, 4]])  # 10, 11 and group 1's 3 are taken: it gets 5 and 4
+    assert h.holder([[2_000, 9, 10 + 2 * FEW]]) == (10 + 2 * FEW, "big")
+    assert h.holder([list(range(-FEW, 0)) + [5] + list(range(1_000, 1_000 + FEW))]) == (5, "small")
+    assert h.holder([list(range(1_000, 1_000 + 2 * FEW)), [4]]) == (4, "small")
+    h.release("big")
+    assert h.cells() == {(0, 5): "small", (1, 4): "small"}
+    h.release("small")
+    assert h.cells() == {}
+
+
+def test_far_apart_ids_are_held_alike() -> None:
     h = BlockHolders()
     h.hold("a", [[5]])
     h.hold("b", [[100_000, 6]])
@@ -75,12 +97,14 @@ def test_the_index_grows_and_keeps_what_it_held() -> None:
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("hold"), st.sampled_from("abcde"),
-              st.lists(st.lists(st.integers(0, 40), max_size=6, unique=True), max_size=3)),
+              st.lists(st.one_of(st.lists(st.integers(0, 40), max_size=6),  # few ids, and many
+                                 st.lists(st.integers(0, 300), min_size=FEW + 1, max_size=2 * FEW)), max_size=3)),
     st.tuples(st.just("release"), st.sampled_from("abcde"), st.just([]))), max_size=40)
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops, st.lists(st.lists(st.integers(-3, 45), max_size=5), max_size=3))
+@given(ops, st.lists(st.one_of(st.lists(st.integers(-3, 45), max_size=5),
+                               st.lists(st.integers(-3, 310), min_size=FEW + 1, max_size=2 * FEW)), max_size=3))
 def test_the_index_agrees_with_a_dict_of_blocks(steps, probe) -> None:
     h, model, holding = BlockHolders(), {}, set()
     for op, rid, blocks in steps:
