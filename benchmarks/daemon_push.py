@@ -3,7 +3,8 @@ figures: idle daemon CPU, worker message round trip, per-request control overhea
 ``poll()`` cost.
 
 A push is timed from the P worker's ``SendReady`` (D's registration already at P, as when
-prefill takes longer than the registration) until both workers heard of it: ``SendDone``
+prefill takes longer than the registration; with a negative ``--gap-ms``, from D's worker's
+``RegisterRecv``, P's blocks staged before) until both workers heard of it: ``SendDone``
 at P and ``RecvDone`` at D. That is what the engines wait for; the in-process baseline
 (``nixl_pair.py``) is timed from the WRITE post until DONE and the notification was seen.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import select
 import shutil
 import signal
@@ -107,18 +109,25 @@ class Pair:
             self.close()
             raise
         self.seq = 0
+        self._jitter = random.Random(1)
 
     def start(self, blocks: int) -> tuple[str, float]:
-        """Start a push of ``blocks`` blocks: D registers, then P's worker hands them over.
-        Its request id and the moment of the hand-over."""
+        """Start a push of ``blocks`` blocks: D registers, then, ``gap_s`` later, P's worker
+        hands them over (a negative ``gap_s``: the other order, as when D's engine admits the
+        request after P's prefill ended). Its request id and the moment of the later of the two."""
         self.seq += 1
         rid = f"bench-{self.seq}"
         ids = list(range(blocks))
-        self.dc.send(wp.RegisterRecv(request_id=rid, local_block_ids=[ids], remote_engine_id="prefill",
-                                     remote_host="127.0.0.1", remote_port=self.P.info["side_channel_port"]))
-        time.sleep(self.gap_s)  # the registration reaches P first, as when prefill takes longer
+        register = wp.RegisterRecv(request_id=rid, local_block_ids=[ids], remote_engine_id="prefill",
+                                   remote_host="127.0.0.1", remote_port=self.P.info["side_channel_port"])
+        ready = wp.SendReady(request_id=rid, block_ids=[ids])
+        (first, c1), (second, c2) = ((register, self.dc), (ready, self.pc))[::1 if self.gap_s >= 0 else -1]
+        c1.send(first)
+        # Both daemons idle meanwhile. P's blocks first: P then polls at its busy pace, and a
+        # fixed gap would bring D's registration in step with those passes; it varies +-20%.
+        time.sleep(self.gap_s if self.gap_s >= 0 else -self.gap_s * self._jitter.uniform(0.8, 1.2))
         t0 = time.perf_counter()
-        self.pc.send(wp.SendReady(request_id=rid, block_ids=[ids]))
+        c2.send(second)
         return rid, t0
 
     def push(self, blocks: int) -> tuple[float, float, float]:
@@ -154,7 +163,8 @@ def path_medians(pair: Pair, n: int) -> dict[str, float]:
 
     p = {t["peer_request_id"]: moments(t) for t in _timelines(pair.P, n) if t.get("peer_request_id")}
     d = {t["request_id"]: moments(t) for t in _timelines(pair.D, n)}
-    steps = [("p", "send_ready", "p", "matched"), ("p", "matched", "p", "write_posted"),
+    steps = [("p", "send_ready", "p", "matched"), ("d", "push_reg_sent", "p", "matched"),
+             ("p", "matched", "p", "write_posted"),
              ("p", "write_posted", "d", "completion"), ("d", "completion", "d", "recv_done"),
              ("p", "write_posted", "p", "write_settled"), ("p", "write_settled", "p", "send_done")]
     out = {}
@@ -225,7 +235,8 @@ def main() -> int:
     ap.add_argument("--regions", type=int, default=1,
                     help="regions per block (a model's layers' K and V; vLLM-shaped: 2 x layers)")
     ap.add_argument("--gap-ms", type=float, default=5.0,
-                    help="how long before P's worker hands its blocks over D registers (both daemons idle meanwhile)")
+                    help="how long before P's worker hands its blocks over D registers (both daemons idle "
+                         "meanwhile); negative: P's blocks first, D's registration that long after")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PUSHSVC_UCX_ERROR_HANDLING_MODE"] = args.ucx_error_handling_mode  # the daemons read it

@@ -39,6 +39,8 @@ class Metrics:
         self.malformed = Counter(
             "pushsvc_malformed_inputs", "Rejected input by source and reason", ["source", "reason"], registry=r
         )
+        self.reg_sent = Counter("pushsvc_reg_sent", "P: D's RegSent notices, by whether P held the blocks they "
+                                "were for (awaited) or not yet (ahead)", ["outcome"], registry=r)
         self.duplicates = Counter("pushsvc_duplicates", "Idempotently ignored duplicates", ["kind"], registry=r)
         self.rejected_connections = Counter(
             "pushsvc_rejected_connections", "Connections refused", ["listener", "reason"], registry=r

@@ -7,7 +7,9 @@ KV layout a remote needs to address blocks. With a shared secret configured, an
 is sent before the peer's proof checks. Afterwards either side may send
 ``AgentsUpdate`` (a worker registered KV later), ``PushFailed`` (P cannot WRITE a
 registration: D fails the request at once), ``CancelPush``/``PushCancelled`` (D
-withdraws a registration and learns when its blocks are safe to reuse) and
+withdraws a registration and learns when its blocks are safe to reuse), ``RegSent`` and
+``WriteStarted`` (a registration's PUSH_REGs went out; a WRITE is being posted: the other
+side polls without delay), ``IpcReady``/``IpcWithdrawn`` (same-host push) and
 ``Heartbeat`` (liveness).
 """
 
@@ -18,7 +20,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 
 from pushsvc.protocol.peer_auth import MAC_LEN, NONCE_LEN
-from pushsvc.protocol.worker import U32, U64, Name, Text
+from pushsvc.protocol.worker import U32, U64, MatchKey, Name, Text
 
 MAGIC = b"PSVP"
 MAJOR = 1
@@ -28,8 +30,8 @@ MAJOR = 1
 # PushFailed, CancelPush, PushCancelled, WriteStarted (P TP = k x D TP); 1.6: AgentInfo.members
 # (a D daemon's joint agent over several of its ranks, D TP = k x P TP); 1.7: AgentInfo.stage and
 # AgentInfo.stages (a pipeline-parallel P: each stage's ranks hold some of the layers); 1.8:
-# AgentInfo.ipc, IpcReady and IpcWithdrawn (P copies into a same-host D's CUDA KV itself)
-MINOR = 8
+# AgentInfo.ipc, IpcReady and IpcWithdrawn (P copies into a same-host D's CUDA KV itself); 1.9: RegSent
+MINOR = 9
 AUTH_MINOR = 1
 MATCH_KEY_MINOR = 2  # a D daemon sets PushReg.match_key only for a P at this minor or later
 PARTS_MINOR = 3  # a P daemon splits WRITEs only for a D at this minor or later that asks for it
@@ -37,6 +39,7 @@ HETERO_TP_MINOR = 5  # a D daemon registers with several P ranks only at this mi
 JOINT_MINOR = 6  # a D daemon announces its joint agents only to a P at this minor or later
 STAGES_MINOR = 7  # a P daemon announces the agents of a pipeline-parallel engine only to a D at this minor or later
 IPC_MINOR = 8  # a D daemon offers its worker's CUDA KV (AgentInfo.ipc) only to a P at this minor or later
+REG_SENT_MINOR = 9  # a D daemon sends RegSent only to a P at this minor or later
 
 _opts = dict(forbid_unknown_fields=True, omit_defaults=True, tag_field="t")
 # A P rank's source id (``AgentInfo.source``): at most 256 pipeline stages of TP 1024.
@@ -214,6 +217,16 @@ def source_rank(msg: PushFailed | CancelPush | PushCancelled | WriteStarted) -> 
     return msg.source_rank if msg.source_rank >= 0 else msg.rank
 
 
+class RegSent(msgspec.Struct, tag="reg_sent", **_opts):
+    """1.9, D -> P: the PUSH_REGs of D's registration ``request_id`` (D's rank ``rank``)
+    just went out. P reads its notifications at once, and polls hot while blocks of its own
+    that registration would pair with wait for it (for at most ``REG_SENT_HOT_S``)."""
+
+    request_id: Name
+    rank: U32
+    match_key: MatchKey = ""
+
+
 class IpcReady(msgspec.Struct, tag="ipc_ready", **_opts):
     """1.8, P -> D: P mapped the worker KV of D's agent ``agent_name`` (``AgentInfo.ipc``)
     and copies into it itself for a registration that asks so (``PushReg.ipc``)."""
@@ -238,7 +251,8 @@ class Goodbye(msgspec.Struct, tag="bye", **_opts):
 
 
 PeerMessage = Union[
-    PeerHello, AgentsUpdate, PushFailed, CancelPush, PushCancelled, WriteStarted, IpcReady, IpcWithdrawn, Heartbeat,
+    PeerHello, AgentsUpdate, PushFailed, CancelPush, PushCancelled, WriteStarted, RegSent, IpcReady, IpcWithdrawn,
+    Heartbeat,
     Goodbye,
     AuthChallenge, AuthProof,
 ]

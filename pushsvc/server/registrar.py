@@ -127,6 +127,9 @@ class Registrar:
             return
         self._table(rank).mark_sent(entry.request_id, peer.daemon_id, sent, layers)
         self._timelines.mark(rank, RECV, entry.request_id, "push_reg_sent")
+        if peer.minor >= pp.REG_SENT_MINOR:  # P looks at once (blocks staged there may wait for it)
+            self._peers.send(peer, pp.RegSent(request_id=entry.request_id, rank=rank.number,
+                                              match_key=entry.match_key))
         self._wake()
 
     def _push_reg(self, rank: Rank, entry: PendingRecv, peer: Peer, sent: dict[str, int] | None = None,

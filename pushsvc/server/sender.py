@@ -62,10 +62,18 @@ class SendSettings:
                    config.handshake_timeout_s, config.write_part_mib << 20, config.post_slice_mib << 20)
 
 
+# How long P polls hot for staged blocks whose registration D's ``RegSent`` announced: the
+# PUSH_REG went out before it, so it is normally there at the first pass.
+REG_SENT_HOT_S = 0.005
+
+
 @dataclass(eq=False)
 class _RankSends:
     table: ProducerTable
     writes: dict[str, Write] = field(default_factory=dict)  # by P's request id
+    # Staged requests whose registration is on its way (``RegSent``): P's request id ->
+    # until when to poll hot for it. Set once per request; dropped once matched or past.
+    expected: dict[str, float] = field(default_factory=dict)
 
 
 class Sender:
@@ -146,6 +154,21 @@ class Sender:
             self.intake.ambiguous(rank, [rid], result.collided)
         elif result.match is not None:
             self._start_push(rank, result.match)
+
+    def reg_sent(self, peer: Peer, msg: pp.RegSent, ranks: list[Rank]) -> None:
+        """D's ``RegSent``: the PUSH_REGs of its registration went out. Where a rank holds
+        staged blocks that registration would pair with, poll hot until they are matched
+        (``REG_SENT_HOT_S`` at most); read the agents' notifications at once either way."""
+        now, awaited = self._now(), False
+        for rank in ranks:
+            state = self._ranks.get(rank)
+            staged = state.table.awaiting(msg.request_id, msg.match_key) if state is not None else None
+            if state is not None and staged is not None:
+                state.expected.setdefault(staged.request_id, now + REG_SENT_HOT_S)
+                awaited = True
+        self._metrics.reg_sent.labels("awaited" if awaited else "ahead").inc()
+        log.debug("reg_sent", request_id=msg.request_id, peer=peer.engine_id, awaited=awaited)
+        self._wake()
 
     def evict(self, rank: Rank, rid: str) -> None:
         """The worker dropped ``rid``: staged blocks are released at once; a WRITE in
@@ -323,6 +346,10 @@ class Sender:
                 continue
             self._settle_parts(rank, write, [rank.agent.state(h) for h in write.handles])
         self.staging.poll(rank)
+        if state.expected:
+            now = self._now()
+            state.expected = {rid: until for rid, until in state.expected.items()
+                              if until > now and rid in state.table.staged}
 
     def _settle(self, rank: Rank, write: Write) -> None:
         rid = write.match.request_id
@@ -463,12 +490,15 @@ class Sender:
                 or self.layerwise.busy(rank))
 
     def hot(self, rank: Rank, now: float, hot_max_s: float) -> bool:
-        """A WRITE from this rank's memory is moving (for at most ``hot_max_s``)."""
+        """A WRITE from this rank's memory is moving (for at most ``hot_max_s``), or a
+        registration D announced (``RegSent``) is on its way to staged blocks."""
         state = self._ranks.get(rank)
         # A layer-wise WRITE whose later layers are still being computed is not hot: the
         # worker computing them needs the cores more than its posted layers need progress.
-        return (state is not None and any(now - w.posted_at < hot_max_s for w in state.writes.values()
-                                          if not w.waiting_for_layers)
+        return (state is not None and (any(now - w.posted_at < hot_max_s for w in state.writes.values()
+                                           if not w.waiting_for_layers)
+                                       or any(until > now and rid in state.table.staged
+                                              for rid, until in state.expected.items()))
                 or self.staging.hot(rank) or self.layerwise.hot(rank, now, hot_max_s))
 
     def writes_in_flight(self) -> int:

@@ -337,6 +337,11 @@ class PushService:
     def write_started(self, peer: Peer, msg: pp.WriteStarted) -> None:
         self.receiver.write_started(peer, msg, self._d_ranks(msg.rank))
 
+    def reg_sent(self, peer: Peer, msg: pp.RegSent) -> None:
+        """D sent a registration's PUSH_REGs: any of this engine's P ranks may hold the
+        blocks it is for (P TP may differ from D's), so each is asked."""
+        self.sender.reg_sent(peer, msg, list(self.ranks.current.values()))
+
     def ipc_ready(self, peer: Peer, msg: pp.IpcReady) -> None:
         """P mapped the worker KV of our agent ``msg.agent_name``: that rank's registrations
         with P may ask P to copy into it (``PushReg.ipc``). Only a current agent of ours that

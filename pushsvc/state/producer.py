@@ -307,7 +307,12 @@ class ProducerTable:
 
     def counterpart(self, reg: PushReg) -> Staged | None:
         """The staged P request ``reg`` would pair with, if exactly one (nothing changes)."""
-        found, _ = self._staged_for(Registration(reg, "", 0.0, 0.0))
+        return self.awaiting(reg.request_id, reg.match_key)
+
+    def awaiting(self, request_id: str, match_key: str) -> Staged | None:
+        """The staged P request a registration of D's ``request_id`` and ``match_key``
+        would pair with, if exactly one (nothing changes)."""
+        found, _ = self._staged_for(request_id, match_key)
         return found
 
     def unverified_from(self, senders: set[str]) -> list[Registration]:
@@ -419,7 +424,7 @@ class ProducerTable:
         """A verified registration arrives (or was just confirmed)."""
         if registration.release and registration.match_key:
             return self._release(registration, now)
-        found, collided = self._staged_for(registration)
+        found, collided = self._staged_for(registration.request_id, registration.match_key)
         if collided:
             for s in collided:
                 self._pop_staged(s.request_id)
@@ -448,10 +453,9 @@ class ProducerTable:
         return RegResult(RegOutcome.MATCHED, tuple(self._start(self._pop_staged(rid), registration, now,
                                                                track_remote=False) for rid in ids))
 
-    def _staged_for(self, registration: Registration) -> tuple[Staged | None, tuple[Staged, ...]]:
-        """The staged P request this registration pairs with, or the candidates that
-        make the pairing ambiguous."""
-        rid, key = registration.request_id, registration.match_key
+    def _staged_for(self, rid: str, key: str) -> tuple[Staged | None, tuple[Staged, ...]]:
+        """The staged P request a registration of D's ``rid`` and ``key`` pairs with, or
+        the candidates that make the pairing ambiguous."""
         candidates = [self.staged[s] for s in self._staged_base.get(rid)
                       if _same_exchange(self.staged[s].match_key, key)]
         found, collided = _pick(candidates, rid, lambda s: s.request_id)

@@ -49,6 +49,9 @@ class Events:
     def write_started(self, peer: Any, msg: Any) -> None:
         self.other.append("write_started")
 
+    def reg_sent(self, peer: Any, msg: Any) -> None:
+        self.other.append("reg_sent")
+
     def ipc_ready(self, peer: Any, msg: Any) -> None:
         self.other.append("ipc_ready")
 

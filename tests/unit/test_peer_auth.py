@@ -115,9 +115,11 @@ def test_minor_bumped_for_auth_messages() -> None:
     # 1.5: RegionInfo.heads, source_rank (D registers with several P ranks only from 1.5 on);
     # 1.6: AgentInfo.members (D announces its joint agents only from 1.6 on);
     # 1.7: AgentInfo.stage/stages (P announces a pipeline-parallel engine's agents only from 1.7 on);
-    # 1.8: AgentInfo.ipc, IpcReady, IpcWithdrawn (D offers its worker's KV only from 1.8 on)
-    assert (pp.MAJOR, pp.MINOR) == (1, 8) and pp.AUTH_MINOR == 1 and pp.MATCH_KEY_MINOR == 2 and pp.PARTS_MINOR == 3
+    # 1.8: AgentInfo.ipc, IpcReady, IpcWithdrawn (D offers its worker's KV only from 1.8 on);
+    # 1.9: RegSent (D sends it only to a P at 1.9)
+    assert (pp.MAJOR, pp.MINOR) == (1, 9) and pp.AUTH_MINOR == 1 and pp.MATCH_KEY_MINOR == 2 and pp.PARTS_MINOR == 3
     assert pp.HETERO_TP_MINOR == 5 and pp.JOINT_MINOR == 6 and pp.STAGES_MINOR == 7 and pp.IPC_MINOR == 8
+    assert pp.REG_SENT_MINOR == 9
 
 
 # ---------------------------------------------------------------- the secret file

@@ -363,6 +363,7 @@ class ProducerMachine(RuleBasedStateMachine):
         found, _ = pick({p: p for p, s in self.staged.items() if pairable(p, s.match_key, rid, key)}, rid)
         got = self.table.counterpart(reg)
         assert got is (None if found is None else self.table.staged[found])
+        assert self.table.awaiting(rid, key) is got  # what D's RegSent names (side channel 1.9)
 
     @rule(owner=OWNERS, rid=IDS)
     def drop_registration(self, owner: str, rid: str) -> None:

@@ -44,6 +44,8 @@ PEER_MESSAGES = [
     peer.CancelPush(request_id="cmpl-abc-0-deadbeef", rank=1),
     peer.PushCancelled(request_id="cmpl-abc-0-deadbeef", rank=1),
     peer.WriteStarted(request_id="cmpl-abc-0-deadbeef", rank=1, nbytes=1 << 20),
+    peer.RegSent(request_id="cmpl-abc-0-deadbeef", rank=1, match_key="x-7f3a.0"),
+    peer.RegSent(request_id="r", rank=0),
     peer.AgentsUpdate(agents=[msgspec.structs.replace(AGENT, ipc=peer.IpcKV(
         host="8f1c2d3e-0000-4000-8000-000000000001", device=bytes(range(16)),
         buffers=[peer.IpcBuffer(handle=bytes(64), size=1 << 30)],
@@ -66,6 +68,7 @@ PEER_TAGS = {
     peer.CancelPush: "cancel",
     peer.PushCancelled: "cancelled",
     peer.WriteStarted: "writing",
+    peer.RegSent: "reg_sent",
     peer.IpcReady: "ipc_ready",
     peer.IpcWithdrawn: "ipc_withdrawn",
     peer.Heartbeat: "hb",
@@ -154,6 +157,10 @@ def test_valid_raw_peer_maps_decode() -> None:
         pytest.param({"t": "push_failed", "request_id": "r", "rank": 0, "reason": "x" * 4097}, id="reason-too-long"),
         pytest.param({"t": "push_failed", "request_id": "r", "rank": 0}, id="push-failed-missing-reason"),
         pytest.param({"t": "hb", "seq": -1}, id="heartbeat-seq-negative"),
+        pytest.param({"t": "reg_sent", "request_id": "r", "rank": 0, "match_key": "a b"}, id="reg-sent-key-pattern"),
+        pytest.param({"t": "reg_sent", "request_id": "r", "rank": 0, "match_key": "k" * 65}, id="reg-sent-key-long"),
+        pytest.param({"t": "reg_sent", "request_id": "r" * 257, "rank": 0}, id="reg-sent-id-long"),
+        pytest.param({"t": "reg_sent", "rank": 0}, id="reg-sent-missing-id"),
         pytest.param({"t": "agents", "agents": {}}, id="agents-not-a-list"),
     ],
 )
