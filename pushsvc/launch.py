@@ -266,13 +266,26 @@ class Stack:
         self.close()
 
 
+# Every port ``free_port`` handed out in this process: the kernel may offer a port again
+# once its probe socket is closed, before the server it was meant for has bound it, and
+# vLLM's API server binds with SO_REUSEPORT, so two servers given one port would both
+# start and share its connections (P's and D's legs going to either) instead of failing.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on loopback right now (the caller binds it soon after)."""
+    """A TCP port free on loopback right now (the caller binds it soon after), never one
+    this process handed out before."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no loopback port left that this process has not handed out")
 
 
 def _ok(url: str) -> bool:
