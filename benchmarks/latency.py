@@ -89,7 +89,8 @@ def run_deployment(name: str, model: str, points: list[Point], args: argparse.Na
             if args.vllm_stats:
                 run["vllm_means_ms"] = vllm_means(stats_before, serving._scrape(_metrics_urls(dep), VLLM_TIMERS))
             if args.events and dep.timelines is not None:
-                run["events_p50_ms"] = event_medians(dep, args.prompts, prefix)
+                run["event_gaps_ms"] = run_gaps(dep, args.prompts, prefix)
+                run["events_p50_ms"] = event_medians(run["event_gaps_ms"], args.prompts)
             rec["runs"].append(run)
             print(f"  {name} {point.tag}: TTFT p50 {run['ttft_p50_ms']:.1f} ms, p90 {run['ttft_p90_ms']:.1f} ms, "
                   f"{run['completed']} completed, {run['failed']} failed"
@@ -103,14 +104,18 @@ def run_deployment(name: str, model: str, points: list[Point], args: argparse.Na
     return rec
 
 
-def event_medians(dep: serving.Deployment, n: int, prefix: str) -> dict[str, tuple[float, int]]:
-    """Of the run's requests (proxy request ids starting with ``prefix``): the median gap
-    between every two events that follow one another in P's and D's merged timelines
-    (``attribution.event_gaps``), for the orders at least a quarter of them took; in
-    path order."""
+def run_gaps(dep: serving.Deployment, n: int, prefix: str) -> dict[str, list[float]]:
+    """Of the run's requests (proxy request ids starting with ``prefix``): the gap between
+    every two events that follow one another in P's and D's merged timelines, per order
+    (``attribution.event_gaps``; kept in the JSON, one value per request)."""
     proxy, p, d = dep.timelines(4 * n)
     proxy = [line for line in proxy if str(line.get("request_id", "")).startswith(prefix)]
-    gaps = attribution.event_gaps(proxy, p, d)
+    return attribution.event_gaps(proxy, p, d)
+
+
+def event_medians(gaps: dict[str, list[float]], n: int) -> dict[str, tuple[float, int]]:
+    """The median of each order of ``gaps`` that at least a quarter of the run's ``n``
+    requests took; in path order."""
     kept = [(k, v) for k, v in gaps.items() if 4 * len(v) >= n]
     return {k: (round(statistics.median(v), 3), len(v)) for k, v in kept}
 

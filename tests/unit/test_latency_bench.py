@@ -57,7 +57,9 @@ def test_event_medians_keep_the_runs_requests_and_the_orders_a_quarter_took() ->
             p.append(_daemon(f"cmpl-{rid}-0", "send", send_ready=0.0, write_posted=posted, write_settled=posted + 2))
             d.append(_daemon(f"cmpl-{rid}-0", "recv", registered=0.0, write_announced=heard, recv_done=posted + 3))
     dep = serving.Deployment("http://x", {}, timelines=lambda n: (proxy[-n:], p[-n:], d[-n:]))
-    got = latency.event_medians(dep, 4, "pushsvc-in64-c1-")
+    gaps = latency.run_gaps(dep, 4, "pushsvc-in64-c1-")
+    assert gaps["p.write_posted -> d.write_announced"] == [0.5, 0.5, 0.5]  # every request's, for the JSON
+    got = latency.event_medians(gaps, 4)
     # Only the in64 run's four requests; each step's median and how many requests took it.
     assert got["p.write_posted -> d.write_announced"] == (0.5, 3)
     assert got["d.write_announced -> p.write_posted"] == (0.5, 1)  # one of four: a quarter, kept
