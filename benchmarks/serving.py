@@ -29,7 +29,7 @@ from pathlib import Path
 import attribution
 from procstats import CpuMeter, total
 
-from pushsvc.launch import Host, Proc, Stack, connector_config, free_port
+from pushsvc.launch import Host, Proc, Stack, connector_config, free_port, vllm_dtype
 from pushsvc.loadgen.client import run_batch
 from pushsvc.loadgen.prompts import Prompt
 from pushsvc.loadgen.stats import summarize
@@ -199,7 +199,7 @@ def _pushsvc(stack: BenchStack, model: str, p_extra: dict | None = None, d_flags
 
 
 _PD = {"pinning": "P worker on core 0, D worker on core 1 (VLLM_CPU_OMP_THREADS_BIND)"}
-_VLLM = {"flags": "--enforce-eager --max-model-len 4096 --dtype bfloat16 --seed 0 --no-enable-prefix-caching, "
+_VLLM = {"flags": f"--enforce-eager --max-model-len 4096 --dtype {vllm_dtype()} --seed 0 --no-enable-prefix-caching, "
                   "VLLM_CPU_KVCACHE_SPACE=1"}
 
 

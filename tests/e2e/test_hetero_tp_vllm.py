@@ -39,6 +39,7 @@ from typing import Any
 import pytest
 from conftest import kept_on_failure
 from helpers import (
+    CPU_MLA,
     PROMPT_LENGTHS,
     E2EStack,
     Outcome,
@@ -105,7 +106,8 @@ def hetero(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> I
     batch = [completion(f"tp8-{n}", model_path, text_with_tokens(tokenizer, n, seed=7100 + i))
              for i, n in enumerate(PROMPT_LENGTHS)]
     with kept_on_failure(request) as workdir, E2EStack(workdir, progress=print, vllm_log_level="INFO") as st:
-        colocated = st.vllm(f"vllm-colocated-tp{p_tp}", model_path, cpus=_cpus(p_tp, "0"), extra=_tp(p_tp))
+        backend = CPU_MLA if kind == "mla" else ()
+        colocated = st.vllm(f"vllm-colocated-tp{p_tp}", model_path, cpus=_cpus(p_tp, "0"), extra=_tp(p_tp) + backend)
         refs = generate_all(colocated.url, reqs, concurrency=1)
         bad = {r.name: str(refs[r.name]) for r in reqs if not refs[r.name].ok}
         assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
@@ -113,9 +115,9 @@ def hetero(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> I
         pdaemon = st.daemon("prefill", "--verify")
         ddaemon = st.daemon("decode", "--verify")
         prefill = st.vllm(f"vllm-p-tp{p_tp}", model_path, kv_transfer_config=connector_config("kv_producer", pdaemon),
-                          cpus=_cpus(p_tp, "0"), extra=_tp(p_tp))
+                          cpus=_cpus(p_tp, "0"), extra=_tp(p_tp) + backend)
         decode = st.vllm(f"vllm-d-tp{d_tp}", model_path, kv_transfer_config=connector_config("kv_consumer", ddaemon),
-                         cpus=_cpus(d_tp, "1"), extra=_tp(d_tp))
+                         cpus=_cpus(d_tp, "1"), extra=_tp(d_tp) + backend)
         proxy = st.proxy("proxy", prefill=[prefill], prefill_daemons=[pdaemon], decode=[decode])
         yield HeteroPD(kind, p_tp, d_tp, reqs, refs, batch, pdaemon, ddaemon, proxy, st)
 

@@ -1,8 +1,9 @@
 """End to end with multi-head latent attention (MLA): a tiny DeepSeek-V2 through P/D.
 
-vLLM CPU serves it with its ``CPU_MLA`` backend: per token one latent row (``kv_lora_rank``
-512 + ``qk_rope_head_dim`` 64 = 576 bf16 values) that every head reads, one region per layer,
-no K/V split. What the tests show:
+vLLM CPU serves it with its ``CPU_MLA`` backend (asked for: on a CPU with AMX tiles vLLM
+would pick AMX_MLA): per token one latent row (``kv_lora_rank`` 512 + ``qk_rope_head_dim``
+64 = 576 values of the servers' dtype, ``vllm_dtype``) that every head reads, one region
+per layer, no K/V split. What the tests show:
 
 * every push is byte-identical at D (verify mode: digests of P's blocks against D's blocks
   after the push), and a request moves exactly its blocks of latent rows;
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 from conftest import kept_on_failure
 from helpers import (
+    CPU_MLA,
     PROMPT_LENGTHS,
     E2EStack,
     Outcome,
@@ -43,7 +45,7 @@ from helpers import (
 )
 from outputs import assert_all_ok, differences_at_ties
 
-from pushsvc.launch import Proc, connector_config
+from pushsvc.launch import Proc, connector_config, vllm_dtype
 from pushsvc.tinymodel import ensure_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -75,6 +77,10 @@ def _with_logprobs(req: Req) -> Req:
     return req.with_body(logprobs=2, return_tokens_as_token_ids=True)
 
 
+ELEMENT = 4 if vllm_dtype() == "float32" else 2  # the servers' dtype (float32 on a CPU with AMX tiles)
+MLA_BACKEND = CPU_MLA
+
+
 @pytest.fixture(scope="module")
 def mla(request: pytest.FixtureRequest) -> Iterator[MlaPD]:
     from transformers import AutoTokenizer
@@ -84,7 +90,7 @@ def mla(request: pytest.FixtureRequest) -> Iterator[MlaPD]:
     reqs = [_with_logprobs(completion(f"mla-{n}", path, text_with_tokens(tokenizer, n, seed=5000 + i)))
             for i, n in enumerate(PROMPT_LENGTHS)]
     with kept_on_failure(request) as workdir, E2EStack(workdir, progress=print, vllm_log_level="INFO") as st:
-        colocated = st.vllm("vllm-colocated", path)
+        colocated = st.vllm("vllm-colocated", path, extra=MLA_BACKEND)
         refs = generate_all(colocated.url, reqs, concurrency=1)
         bad = {r.name: str(refs[r.name]) for r in reqs if not refs[r.name].ok}
         assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
@@ -92,8 +98,10 @@ def mla(request: pytest.FixtureRequest) -> Iterator[MlaPD]:
         st.stop(colocated)
         pdaemon = st.daemon("prefill", "--verify")
         ddaemon = st.daemon("decode", "--verify")
-        prefill = st.vllm("vllm-p", path, kv_transfer_config=connector_config("kv_producer", pdaemon), cpus="0")
-        decode = st.vllm("vllm-d", path, kv_transfer_config=connector_config("kv_consumer", ddaemon), cpus="1")
+        prefill = st.vllm("vllm-p", path, kv_transfer_config=connector_config("kv_producer", pdaemon), cpus="0",
+                          extra=MLA_BACKEND)
+        decode = st.vllm("vllm-d", path, kv_transfer_config=connector_config("kv_consumer", ddaemon), cpus="1",
+                         extra=MLA_BACKEND)
         proxy = st.proxy("proxy", prefill=[prefill], prefill_daemons=[pdaemon], decode=[decode])
         yield MlaPD(path, tokenizer, reqs, refs, pdaemon, ddaemon, proxy, st)
 
@@ -114,7 +122,7 @@ def test_each_layer_is_one_region_of_latent_rows(mla: MlaPD) -> None:
     assert out.ok, f"{out}\n{mla.logs()}"
     wait_for("the push", lambda: _done(mla) - done_before, lambda n: n >= 1, SETTLE_S)
     pushed = (metric(scrape(mla.prefill_daemon.url), "pushsvc_transfer_bytes_total") or 0.0) - before
-    assert pushed == -(-prompt_tokens // BLOCK) * LAYERS * BLOCK * LATENT * 2
+    assert pushed == -(-prompt_tokens // BLOCK) * LAYERS * BLOCK * LATENT * ELEMENT
 
 
 def test_pushes_verify_and_d_differs_from_colocated_only_at_near_ties(mla: MlaPD) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pushsvc.demo.serving import _start_together
-from pushsvc.launch import Proc, Stack, Stopped, free_port
+from pushsvc.launch import Proc, Stack, Stopped, free_port, vllm_dtype
 
 WAIT_S = 10.0  # bound on anything that should happen soon; the tests pass far below it
 
@@ -166,3 +166,14 @@ def test_free_port_never_hands_out_a_port_twice() -> None:
     assert len(set(ports)) == len(ports)
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[-1]))  # nobody holds it
+
+
+def test_vllm_runs_in_float32_only_on_a_cpu_with_amx_tiles(tmp_path: Path) -> None:
+    """vLLM's bfloat16 kernels take AMX there: a token computed alone then differs from
+    it computed in a batch (D against colocated), and a TP 2 worker died of SIGILL."""
+    amx, plain = tmp_path / "amx", tmp_path / "plain"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile amx_int8\n\n")
+    plain.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n")
+    assert vllm_dtype(str(amx)) == "float32"
+    assert vllm_dtype(str(plain)) == "bfloat16"
+    assert vllm_dtype(str(tmp_path / "absent")) == "bfloat16"
