@@ -121,7 +121,10 @@ class Pair:
         register = wp.RegisterRecv(request_id=rid, local_block_ids=[ids], remote_engine_id="prefill",
                                    remote_host="127.0.0.1", remote_port=self.P.info["side_channel_port"])
         ready = wp.SendReady(request_id=rid, block_ids=[ids])
-        (first, c1), (second, c2) = ((register, self.dc), (ready, self.pc))[::1 if self.gap_s >= 0 else -1]
+        if self.gap_s >= 0:
+            (first, c1), (second, c2) = (register, self.dc), (ready, self.pc)
+        else:
+            (first, c1), (second, c2) = (ready, self.pc), (register, self.dc)
         c1.send(first)
         # Both daemons idle meanwhile. P's blocks first: P then polls at its busy pace, and a
         # fixed gap would bring D's registration in step with those passes; it varies +-20%.

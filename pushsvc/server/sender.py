@@ -162,8 +162,10 @@ class Sender:
         now, awaited = self._now(), False
         for rank in ranks:
             state = self._ranks.get(rank)
-            staged = state.table.awaiting(msg.request_id, msg.match_key) if state is not None else None
-            if state is not None and staged is not None:
+            if state is None:
+                continue
+            staged = state.table.awaiting(msg.request_id, msg.match_key)
+            if staged is not None:
                 state.expected.setdefault(staged.request_id, now + REG_SENT_HOT_S)
                 awaited = True
         self._metrics.reg_sent.labels("awaited" if awaited else "ahead").inc()

@@ -24,11 +24,13 @@ from typing import Any, Protocol, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pushsvc.launch import Host, Proc, Stack
+from pushsvc.launch import Host, Proc, Stack, vllm_dtype
 
 # vLLM's MLA backend whose KV layout the MLA tests are written for: vLLM picks AMX_MLA
 # instead on a CPU with AMX tiles (bfloat16 only) unless CPU_MLA is asked for.
 CPU_MLA = ("--attention-backend", "CPU_MLA")
+# Bytes of one KV value in the servers' dtype (``vllm_dtype``: float32 on a CPU with AMX tiles).
+KV_ELEMENT_BYTES = 4 if vllm_dtype() == "float32" else 2
 
 T = TypeVar("T")
 

@@ -28,6 +28,7 @@ import pytest
 from conftest import kept_on_failure
 from helpers import (
     COMPLETIONS,
+    KV_ELEMENT_BYTES,
     PROMPT_LENGTHS,
     E2EStack,
     Outcome,
@@ -47,7 +48,7 @@ from helpers import (
 )
 from outputs import assert_all_ok, differences_at_ties, diverged_at
 
-from pushsvc.launch import Proc, connector_config, vllm_dtype
+from pushsvc.launch import Proc, connector_config
 from pushsvc.tinymodel import ensure_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -56,8 +57,7 @@ MODEL_DIR = "/tmp/pushsvc-e2e-gemma3"
 WINDOW = 128  # tokens of each sliding-window layer: one vLLM CPU block
 BLOCK = 128  # vLLM CPU's KV block size (tokens)
 LAYERS, KV_HEADS, HEAD_DIM = 6, 2, 64
-ELEMENT = 4 if vllm_dtype() == "float32" else 2  # the servers' dtype (float32 on a CPU with AMX tiles)
-GROUP_BLOCK_BYTES = 2 * 2 * BLOCK * KV_HEADS * HEAD_DIM * ELEMENT  # 2 layers a group, K and V
+GROUP_BLOCK_BYTES = 2 * 2 * BLOCK * KV_HEADS * HEAD_DIM * KV_ELEMENT_BYTES  # 2 layers a group, K and V
 SETTLE_S = 15.0
 HMA_OFF = "Turning off hybrid kv cache manager"
 NEAR_TIE = 0.05  # nats between colocated's two best tokens where bf16 rounding may pick either

@@ -27,6 +27,7 @@ import pytest
 from conftest import kept_on_failure
 from helpers import (
     CPU_MLA,
+    KV_ELEMENT_BYTES,
     PROMPT_LENGTHS,
     E2EStack,
     Outcome,
@@ -45,7 +46,7 @@ from helpers import (
 )
 from outputs import assert_all_ok, differences_at_ties
 
-from pushsvc.launch import Proc, connector_config, vllm_dtype
+from pushsvc.launch import Proc, connector_config
 from pushsvc.tinymodel import ensure_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -77,10 +78,6 @@ def _with_logprobs(req: Req) -> Req:
     return req.with_body(logprobs=2, return_tokens_as_token_ids=True)
 
 
-ELEMENT = 4 if vllm_dtype() == "float32" else 2  # the servers' dtype (float32 on a CPU with AMX tiles)
-MLA_BACKEND = CPU_MLA
-
-
 @pytest.fixture(scope="module")
 def mla(request: pytest.FixtureRequest) -> Iterator[MlaPD]:
     from transformers import AutoTokenizer
@@ -90,7 +87,7 @@ def mla(request: pytest.FixtureRequest) -> Iterator[MlaPD]:
     reqs = [_with_logprobs(completion(f"mla-{n}", path, text_with_tokens(tokenizer, n, seed=5000 + i)))
             for i, n in enumerate(PROMPT_LENGTHS)]
     with kept_on_failure(request) as workdir, E2EStack(workdir, progress=print, vllm_log_level="INFO") as st:
-        colocated = st.vllm("vllm-colocated", path, extra=MLA_BACKEND)
+        colocated = st.vllm("vllm-colocated", path, extra=CPU_MLA)
         refs = generate_all(colocated.url, reqs, concurrency=1)
         bad = {r.name: str(refs[r.name]) for r in reqs if not refs[r.name].ok}
         assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
@@ -99,9 +96,9 @@ def mla(request: pytest.FixtureRequest) -> Iterator[MlaPD]:
         pdaemon = st.daemon("prefill", "--verify")
         ddaemon = st.daemon("decode", "--verify")
         prefill = st.vllm("vllm-p", path, kv_transfer_config=connector_config("kv_producer", pdaemon), cpus="0",
-                          extra=MLA_BACKEND)
+                          extra=CPU_MLA)
         decode = st.vllm("vllm-d", path, kv_transfer_config=connector_config("kv_consumer", ddaemon), cpus="1",
-                         extra=MLA_BACKEND)
+                         extra=CPU_MLA)
         proxy = st.proxy("proxy", prefill=[prefill], prefill_daemons=[pdaemon], decode=[decode])
         yield MlaPD(path, tokenizer, reqs, refs, pdaemon, ddaemon, proxy, st)
 
@@ -122,7 +119,7 @@ def test_each_layer_is_one_region_of_latent_rows(mla: MlaPD) -> None:
     assert out.ok, f"{out}\n{mla.logs()}"
     wait_for("the push", lambda: _done(mla) - done_before, lambda n: n >= 1, SETTLE_S)
     pushed = (metric(scrape(mla.prefill_daemon.url), "pushsvc_transfer_bytes_total") or 0.0) - before
-    assert pushed == -(-prompt_tokens // BLOCK) * LAYERS * BLOCK * LATENT * ELEMENT
+    assert pushed == -(-prompt_tokens // BLOCK) * LAYERS * BLOCK * LATENT * KV_ELEMENT_BYTES
 
 
 def test_pushes_verify_and_d_differs_from_colocated_only_at_near_ties(mla: MlaPD) -> None:
