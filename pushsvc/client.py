@@ -131,7 +131,11 @@ class DaemonClient:
         return self._require().fileno()
 
     def send(self, msg: msgspec.Struct) -> None:
-        """Queue ``msg``; write what the socket accepts now. Never blocks."""
+        """Queue ``msg``; write what the socket accepts now. Never blocks. P's finished
+        blocks go packed to a daemon that takes them so (1.7, ``wp.pack_ids``)."""
+        if isinstance(msg, (wp.SendReady, wp.SendStart)) and self.daemon_minor >= wp.PACKED_IDS_MINOR and any(
+                len(ids) >= wp.PACK_MIN_IDS for ids in msg.block_ids):
+            msg = msgspec.structs.replace(msg, block_ids=wp.pack_ids(msg.block_ids))
         self._out += frame(wp.encode(msg))
         self._flush()
 

@@ -7,9 +7,12 @@ removing or retyping a field is a major bump. See docs/protocol.md.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Sequence, Union
 
 import msgspec
+import numpy as np
+
+from pushsvc.errors import ProtocolError
 
 # Bounds checked while decoding, before any handler sees the value.
 U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
@@ -19,7 +22,13 @@ Name = Annotated[str, msgspec.Meta(max_length=256)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 MAX_FDS = 250
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
-BlockIds = Annotated[list[Annotated[list[U32], msgspec.Meta(max_length=1 << 20)]], msgspec.Meta(max_length=64)]
+MAX_GROUP_IDS = 1 << 20
+GroupIds = Annotated[list[U32], msgspec.Meta(max_length=MAX_GROUP_IDS)]
+BlockIds = Annotated[list[GroupIds], msgspec.Meta(max_length=64)]
+# 1.7: a group of P's finished blocks may come packed, its ids as little-endian u32s
+# (``pack_ids``): the daemon reads them as one array instead of a list of ints.
+PackedIds = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_GROUP_IDS)]
+FinishedIds = Annotated[list[Union[GroupIds, PackedIds]], msgspec.Meta(max_length=64)]
 # A transfer's match key: minted once per P/D exchange (by the proxy, or by P's connector
 # when no proxy did) and carried by both legs, so P pairs D's registration with exactly
 # the blocks of the same exchange whatever the request ids are. "" = none (match by id).
@@ -28,9 +37,9 @@ MatchKey = Annotated[str, msgspec.Meta(max_length=MATCH_KEY_MAX, pattern=r"^[A-Z
 
 MAGIC = b"PSVW"
 MAJOR = 1
-MINOR = 6  # 1.1: RegisterRecv.match_key, SendReady.match_key; 1.2: CudaIpcBuffers; 1.3: Region.heads/replicated;
+MINOR = 7  # 1.1: RegisterRecv.match_key, SendReady.match_key; 1.2: CudaIpcBuffers; 1.3: Region.heads/replicated;
 # 1.4: Reported; 1.5: Hello.pp_rank/pp_size; 1.6: SendStart, LayerSaved, StepSaved, RegisterKV.layer_events
-# (layer-wise push)
+# (layer-wise push); 1.7: packed ids in SendReady/SendStart
 # The first minor whose daemon accepts ``match_key``; a client sets it only for such a daemon.
 MATCH_KEY_MINOR = 1
 # The first minor whose daemon takes CUDA KV memory (``CudaIpcBuffers``).
@@ -39,6 +48,9 @@ HEADS_MINOR = 3  # a client sends Region.heads and .replicated only to a daemon 
 REPORTED_MINOR = 4  # ... and ``Reported`` from this one on
 STAGES_MINOR = 5  # ... and ``Hello.pp_rank``/``pp_size`` (a worker of a pipeline-parallel engine needs it)
 LAYERWISE_MINOR = 6  # ... and ``SendStart``, ``LayerSaved``, ``StepSaved`` (layer-wise push)
+PACKED_IDS_MINOR = 7  # ... and packed groups of finished blocks (``pack_ids``)
+# A group of fewer ids goes as a list: packing costs the worker more than it saves the daemon.
+PACK_MIN_IDS = 256
 CUDA_IPC_HANDLE_BYTES = 64
 
 Role = Literal["producer", "consumer", "both"]
@@ -150,7 +162,7 @@ class SendReady(msgspec.Struct, tag="send_ready", **_opts):
     """P side: prefill of ``request_id`` is done; its KV lives in ``block_ids``."""
 
     request_id: RequestId
-    block_ids: BlockIds
+    block_ids: FinishedIds  # a group packed (bytes) from 1.7 on
     match_key: MatchKey = ""  # 1.1
 
 
@@ -161,7 +173,7 @@ class SendStart(msgspec.Struct, tag="send_start", **_opts):
     ``SendReady``: the worker sends no ``SendReady`` for it."""
 
     request_id: RequestId
-    block_ids: BlockIds
+    block_ids: FinishedIds  # a group packed (bytes) from 1.7 on
     step: U64
     match_key: MatchKey = ""
 
@@ -270,3 +282,32 @@ daemon_decoder = msgspec.msgpack.Decoder(DaemonMessage)
 
 def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
+
+
+def pack_ids(groups: Sequence[Sequence[int]]) -> list[Sequence[int] | bytes]:
+    """``FinishedIds`` as a 1.7 daemon takes them: each group of ``PACK_MIN_IDS`` ids or
+    more packed as little-endian u32s. A group that does not fit u32 stays a list, which
+    the daemon's decoder refuses, naming it."""
+    out: list[Sequence[int] | bytes] = []
+    for ids in groups:
+        if len(ids) >= PACK_MIN_IDS and not isinstance(ids, bytes):
+            try:
+                out.append(np.asarray(ids, dtype="<u4").tobytes())
+                continue
+            except (OverflowError, TypeError, ValueError):
+                pass
+        out.append(ids)
+    return out
+
+
+def unpack_ids(groups: Sequence[Sequence[int] | bytes]) -> list[Sequence[int]]:
+    """``FinishedIds`` as the daemon works with them: a packed group as an int64 array
+    (its ids are then checked like any others, ``state/layout.check_block_ids``)."""
+    out: list[Sequence[int]] = []
+    for g, ids in enumerate(groups):
+        if isinstance(ids, bytes):
+            if len(ids) % 4:
+                raise ProtocolError(f"group {g}: {len(ids)} bytes of packed block ids, not whole u32s")
+            ids = np.frombuffer(ids, dtype="<u4").astype(np.int64)
+        out.append(ids)
+    return out

@@ -22,7 +22,7 @@ import structlog
 
 from pushsvc.config import Config
 from pushsvc.engine.base import XferState
-from pushsvc.errors import HandshakeError, LayoutError, TransferError
+from pushsvc.errors import HandshakeError, LayoutError, ProtocolError, TransferError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
@@ -118,7 +118,7 @@ class Sender:
         """P's blocks of ``msg.request_id`` are final, or (``SendStart``, layer-wise push)
         become final layer by layer in the step now running: stage them, and push at once
         if D's registration is here."""
-        rid, block_ids = msg.request_id, msg.block_ids
+        rid = msg.request_id
         step = msg.step if isinstance(msg, wp.SendStart) else None
         state = self._of(rank)
         log.debug("send_ready" if step is None else "send_start", request_id=rid, rank=rank.number)
@@ -130,11 +130,12 @@ class Sender:
         try:
             if rank.memory is None:
                 raise LayoutError("no KV memory registered for this rank")
+            block_ids = wp.unpack_ids(msg.block_ids)
             check_block_ids(rank.memory.layout, block_ids, "finished blocks")
             why = self.layerwise.refusal(rank, step) if step is not None else ""
             if why:
                 raise LayoutError(why)
-        except LayoutError as exc:
+        except (LayoutError, ProtocolError) as exc:
             self._metrics.malformed.labels("worker", "finished_blocks").inc()
             log.warning("send_rejected", request_id=rid, rank=rank.number, error=str(exc))
             self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason=str(exc)))

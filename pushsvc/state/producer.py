@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -77,7 +78,7 @@ class Registration:
 @dataclass(slots=True)
 class Staged:
     request_id: str
-    block_ids: list[list[int]]
+    block_ids: Sequence[Sequence[int]]  # per group a list, or an array (packed ids)
     match_key: str
     staged_at: float
     lease_expires_at: float
@@ -96,7 +97,7 @@ class Match:
         return self.staged.request_id
 
     @property
-    def block_ids(self) -> list[list[int]]:
+    def block_ids(self) -> Sequence[Sequence[int]]:
         return self.staged.block_ids
 
     @property
@@ -318,7 +319,7 @@ class ProducerTable:
     def unverified_from(self, senders: set[str]) -> list[Registration]:
         return [r for r in self.registrations.values() if not r.verified and r.sender in senders]
 
-    def add_staged(self, request_id: str, block_ids: list[list[int]], now: float, match_key: str = "") -> StageResult:
+    def add_staged(self, request_id: str, block_ids: Sequence[Sequence[int]], now: float, match_key: str = "") -> StageResult:
         if request_id in self.staged or request_id in self.writing:
             return StageResult(StageOutcome.DUPLICATE)
         staged = Staged(request_id, block_ids, match_key, now, now + self.lease_s)

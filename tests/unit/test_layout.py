@@ -195,6 +195,56 @@ def test_group_without_regions_accepts_no_block() -> None:
         check_block_ids(lay, [[0], [0], [3]], "x")
 
 
+def _check_reference(lay: Layout, block_ids: list[list[int]]) -> str:
+    """What check_block_ids must say, by Python's builtins alone: "" or the error's words."""
+    if len(block_ids) > lay.groups:
+        return "block groups"
+    for g, ids in enumerate(block_ids):
+        if ids and (min(ids) < 0 or max(ids) >= lay.logical_blocks(g)):
+            return f"group {g} names a block outside"
+        if len(set(ids)) != len(ids):
+            return f"group {g} names a block twice"
+    return ""
+
+
+@settings(max_examples=200, deadline=None)
+@given(groups=st.lists(st.lists(st.integers(-3, 1100), max_size=300), max_size=3),
+       as_arrays=st.booleans())
+def test_block_id_check_agrees_with_the_builtins_for_lists_and_arrays(groups: list[list[int]],
+                                                                       as_arrays: bool) -> None:
+    """Short groups are checked by builtins, long ones (and arrays: packed ids) by numpy:
+    both say what the builtins say, for every size around the switch."""
+    lay = layout(region(1000, group=0), region(1024, group=1), per_logical=1)  # 1000 and 1024 logical
+    given_ids = [np.asarray(ids, dtype=np.int64) for ids in groups] if as_arrays else groups
+    expected = _check_reference(lay, groups)
+    if expected:
+        with pytest.raises(LayoutError, match=expected):
+            check_block_ids(lay, given_ids, "x")
+    else:
+        check_block_ids(lay, given_ids, "x")
+
+
+@pytest.mark.parametrize("n", [65, 4096])
+def test_a_long_group_names_a_duplicate_or_an_id_out_of_range(n: int) -> None:
+    lay = layout(region(n + 1))
+    ids = list(range(n))
+    check_block_ids(lay, [ids], "x")
+    check_block_ids(lay, [np.asarray(ids[::-1], dtype=np.int64)], "x")
+    for bad, words in ((ids[:-1] + [0], "twice"), (ids[:-1] + [n + 1], "outside"), ([-1] + ids[1:], "outside")):
+        for given_ids in (bad, np.asarray(bad, dtype=np.int64)):
+            with pytest.raises(LayoutError, match=words):
+                check_block_ids(lay, [given_ids], "x")
+
+
+def test_a_plan_takes_p_blocks_as_an_array() -> None:
+    src = layout(region(300), region(300, block_len=8))
+    dst = layout(region(400), region(400, block_len=8))
+    ids = list(range(10, 290))
+    listed = plan_write(src, dst, [ids], [list(range(5, 105))])
+    arrayed = plan_write(src, dst, [np.asarray(ids, dtype=np.int64)], [list(range(5, 105))])
+    assert pairs(arrayed) == pairs(listed) and arrayed.nbytes == listed.nbytes
+
+
 # ---------------------------------------------------------------- plan_write
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
+from pushsvc.errors import ProtocolError
 from pushsvc.protocol import worker
 
 pack = msgspec.msgpack.encode
@@ -39,6 +41,7 @@ WORKER_MESSAGES = [
         remote_tp_size=4,
     ),
     worker.SendReady(request_id="cmpl-abc-0-1a2b3c4d", block_ids=[[0, 2**32 - 1], []]),
+    worker.SendReady(request_id="packed", block_ids=[np.arange(300, dtype="<u4").tobytes(), [7], b""]),
     worker.Evict(request_ids=["a", "b", "c"]),
     worker.Evict(request_ids=[]),
     worker.Ping(token=2**63 - 1),
@@ -294,3 +297,45 @@ def test_daemon_decoder_rejects_unknown_fields_and_tags() -> None:
         worker.daemon_decoder.decode(pack({"t": "recv_done", "request_id": "r", "x": 1}))
     with pytest.raises(msgspec.ValidationError):
         worker.daemon_decoder.decode(pack({"t": "recv_maybe", "request_id": "r"}))
+
+
+# ---------------------------------------------------------------- packed ids (1.7)
+
+
+def test_long_groups_are_packed_short_ones_stay_lists() -> None:
+    long, short = list(range(worker.PACK_MIN_IDS, 2 * worker.PACK_MIN_IDS)), [5, 3]
+    packed = worker.pack_ids([long, short, []])
+    assert packed[0] == np.asarray(long, dtype="<u4").tobytes() and packed[1:] == [short, []]
+    assert [list(map(int, g)) for g in worker.unpack_ids(packed)] == [long, short, []]
+
+
+def test_packed_ids_survive_the_wire_and_keep_every_u32() -> None:
+    ids = [2**32 - 1, 0] + list(range(1, worker.PACK_MIN_IDS))
+    msg = worker.SendReady(request_id="r", block_ids=worker.pack_ids([ids]))
+    got = worker.worker_decoder.decode(worker.encode(msg))
+    unpacked = worker.unpack_ids(got.block_ids)[0]
+    assert isinstance(unpacked, np.ndarray) and unpacked.dtype == np.int64 and unpacked.tolist() == ids
+
+
+def test_a_group_that_does_not_fit_u32_is_not_packed() -> None:
+    """It stays a list, which the decoder refuses, naming it; packing never wraps it."""
+    bad = [-1] + list(range(worker.PACK_MIN_IDS))
+    assert worker.pack_ids([bad]) == [bad]
+    with pytest.raises(msgspec.ValidationError, match=r"block_ids\[0\]\[0\]"):
+        worker.worker_decoder.decode(worker.encode(worker.SendReady(request_id="r", block_ids=worker.pack_ids([bad]))))
+
+
+@pytest.mark.parametrize("size", [1, 5, 1023])
+def test_packed_ids_that_are_not_whole_u32s_are_refused(size: int) -> None:
+    with pytest.raises(ProtocolError, match=f"group 1: {size} bytes"):
+        worker.unpack_ids([[1], b"\0" * size])
+
+
+def test_a_packed_group_longer_than_the_cap_is_refused() -> None:
+    cap = 4 * worker.MAX_GROUP_IDS
+    ok = worker.worker_decoder.decode(pack(_send_ready(block_ids=[b"\0" * cap])))
+    assert len(worker.unpack_ids(ok.block_ids)[0]) == worker.MAX_GROUP_IDS
+    with pytest.raises(msgspec.ValidationError):
+        worker.worker_decoder.decode(pack(_send_ready(block_ids=[b"\0" * (cap + 4)])))
+    with pytest.raises(msgspec.ValidationError):  # packed ids only where P hands its blocks over
+        worker.worker_decoder.decode(pack(_register_recv(local_block_ids=[b"\0" * 4])))
