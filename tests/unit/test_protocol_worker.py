@@ -339,3 +339,11 @@ def test_a_packed_group_longer_than_the_cap_is_refused() -> None:
         worker.worker_decoder.decode(pack(_send_ready(block_ids=[b"\0" * (cap + 4)])))
     with pytest.raises(msgspec.ValidationError):  # packed ids only where P hands its blocks over
         worker.worker_decoder.decode(pack(_register_recv(local_block_ids=[b"\0" * 4])))
+
+
+def test_packing_without_a_native_u32_gives_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = [2**32 - 1, 0] + list(range(1, worker.PACK_MIN_IDS))
+    native = worker.pack_ids([ids])
+    monkeypatch.setattr(worker, "_NATIVE_U32", False)
+    assert worker.pack_ids([ids]) == native == [np.asarray(ids, dtype="<u4").tobytes()]
+    assert worker.pack_ids([[-1] + ids]) == [[-1] + ids]  # does not fit: stays a list here too
