@@ -5,6 +5,8 @@ exactly as listed ones, refusing the malformed ones with the request's ``SendFai
 from __future__ import annotations
 
 import socket
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,3 +100,12 @@ async def test_malformed_packed_ids_fail_the_send_and_nothing_else(packed: bytes
         await pair.pw.wait_for(wp.SendDone, P_ID)
         await pair.dw.wait_for(wp.RecvDone, D_ID)
         await assert_tables_empty(pair.p, pair.d)
+
+
+def test_the_block_ids_benchmark_measures_both_forms() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import block_ids
+
+    listed, packed = (block_ids.measure(300, form, runs=3) for form in (False, True))
+    assert listed["wire_bytes"] < 4 * 300 <= packed["wire_bytes"]  # msgpack's small ints against u32s
+    assert all(v > 0 for r in (listed, packed) for v in r.values())
