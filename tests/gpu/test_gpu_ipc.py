@@ -68,6 +68,28 @@ def test_contiguous_blocks_land_exactly(spawn: Spawner) -> None:
     assert d_daemon.metric("pushsvc_verify_total", result="identical") == 4
 
 
+@pytest.mark.parametrize("path", ["same_host", "landing"])
+def test_long_requests_go_packed_and_land_exactly(spawn: Spawner, path: str) -> None:
+    """Requests of 256 blocks or more: the worker's client packs their ids (worker
+    protocol 1.7), P's daemon reads them as arrays. Scattered ids and a prefix hit, copied
+    by P into D's KV or WRITten into D's landing buffer and copied out, verified."""
+    ipc = IPC if path == "same_host" else ("--ipc-push", "off")
+    p_daemon = spawn.daemon("prefill", *ipc, "--verify")
+    d_daemon = spawn.daemon("decode", *ipc, "--landing-mib", "1536", "--verify")
+    p = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=900, seed=39)
+    d = spawn.worker(d_daemon, "consumer", layout="flash", layers=LAYERS, blocks=700, seed=40)
+    if path == "same_host":
+        _meet(p, d, p_daemon, d_daemon)
+    rng = random.Random(41)
+    p_free, d_free = rng.sample(range(900), 700), rng.sample(range(700), 560)
+    plan = [("long-0", p_free[:300], d_free[:300]),
+            ("long-1", p_free[300:700], d_free[300:560])]  # a prefix hit: P's last 260 of 400
+    _push_and_check(p, d, p_daemon, plan)
+    copies = p_daemon.metric("pushsvc_ipc_copies_total")
+    assert copies == (2 if path == "same_host" else 0)
+    assert d_daemon.metric("pushsvc_verify_total", result="identical") == (3 if path == "same_host" else 2)
+
+
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_kill_9_and_restart_under_same_host_push(spawn: Spawner, side: str) -> None:
     args = {"prefill": (*IPC, "--lease-s", "20"), "decode": (*IPC, "--landing-mib", "512")}
