@@ -304,8 +304,8 @@ def pack_ids(groups: Sequence[Sequence[int]]) -> list[Sequence[int] | bytes]:
 
 def _packed(ids: Sequence[int]) -> bytes:
     # The stdlib's array reads a list of ints 3x faster than numpy (23 against 80 us for
-    # 4096 ids on a 2-core host): it is what this host's C unsigned int is, 4 bytes in
-    # little-endian order on every platform vLLM runs on; numpy where it is not.
+    # 4096 ids on a 2-core host). Its "I" is the C unsigned int: 4 bytes, little-endian,
+    # on every platform vLLM runs on; numpy where it is not.
     if _NATIVE_U32:
         return array.array("I", ids).tobytes()
     return np.asarray(ids, dtype="<u4").tobytes()
