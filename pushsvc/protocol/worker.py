@@ -51,7 +51,10 @@ REPORTED_MINOR = 4  # ... and ``Reported`` from this one on
 STAGES_MINOR = 5  # ... and ``Hello.pp_rank``/``pp_size`` (a worker of a pipeline-parallel engine needs it)
 LAYERWISE_MINOR = 6  # ... and ``SendStart``, ``LayerSaved``, ``StepSaved`` (layer-wise push)
 PACKED_IDS_MINOR = 7  # ... and packed groups of finished blocks (``pack_ids``)
-# A group of fewer ids goes as a list: packing costs the worker more than it saves the daemon.
+# A group of fewer ids goes as a list. Up to ~64 ids packing gains nothing (a numpy array's
+# fixed cost makes the daemon's check slower at 16 ids) and doubles the worker's encode; at
+# 128 the daemon gains ~6 us for ~0.7 us in the worker, at 256 ~8 us for ~1 us (2-core host,
+# benchmarks/block_ids.py). 256 leaves every request below 4096 tokens (16-token blocks) as it was.
 PACK_MIN_IDS = 256
 CUDA_IPC_HANDLE_BYTES = 64
 
