@@ -25,6 +25,7 @@ from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
 from pushsvc.server.remotes import registration_error
+from pushsvc.state.layout import id_arrays
 from pushsvc.state.producer import Match, ProducerTable, Registration, RegOutcome, RegResult
 
 log = structlog.get_logger("pushsvc.sender")
@@ -53,6 +54,9 @@ class Intake:
         except ProtocolError as exc:
             self._malformed("push_reg", sender, exc)
             return
+        # Long groups as arrays from here on: checked now, then paired or planned when P's
+        # blocks are ready, without turning the lists into arrays on each of those steps.
+        reg.local_block_ids = id_arrays(reg.local_block_ids)
         if reg.remote_engine_id != self._engine_id:
             self._malformed("push_reg_wrong_engine", sender, ProtocolError(f"PUSH_REG for engine {reg.remote_engine_id}"))
             return
@@ -147,7 +151,7 @@ class Intake:
             kind = "push_reg_finished" if outcome is RegOutcome.FINISHED else "push_reg_table_full"
             self._metrics.notifications.labels(kind).inc()
             log.info(kind, request_id=reg.request_id, match_key=reg.match_key, peer=sender)
-            if peer is not None and any(reg.local_block_ids):  # a release needs no answer
+            if peer is not None and any(len(ids) for ids in reg.local_block_ids):  # a release needs no answer
                 why = ("the exchange's P request already ended" if outcome is RegOutcome.FINISHED
                        else "P holds too many registrations")
                 self._tell_d(rank, peer, reg, f"registration refused: {why}")

@@ -202,6 +202,15 @@ def check_block_ids(layout: Layout, block_ids: Sequence[Sequence[int]], who: str
             raise LayoutError(f"{who}: group {g} names a block twice")
 
 
+def id_arrays(block_ids: Sequence[Sequence[int]]) -> list[Sequence[int]]:
+    """``block_ids`` with each group of more than 64 ids as an int64 array, the shorter ones
+    as they are: for ids a daemon checks and pairs more than once (D's ``PUSH_REG`` at P:
+    at its arrival, again when it is matched and planned). ``check_block_ids`` turns a long
+    list into an array each time it looks; ``pair_blocks`` and ``plan_write`` too."""
+    return [np.fromiter(ids, dtype=np.int64, count=len(ids))
+            if len(ids) > _CHECK_BY_BUILTINS and not isinstance(ids, np.ndarray) else ids for ids in block_ids]
+
+
 @dataclass(frozen=True, slots=True)
 class WritePlan:
     src_indices: np.ndarray  # int32 indices into the source descriptor table
@@ -261,7 +270,7 @@ def _tails(src: Layout, dst: Layout, src_blocks: list[list[int]], dst_blocks: li
         d_ids = dst_blocks[g] if g < len(dst_blocks) else []
         if len(d_ids) > len(s_ids):
             raise LayoutError(f"group {g}: remote asks for {len(d_ids)} blocks, only {len(s_ids)} exist")
-        if d_ids:
+        if len(d_ids):
             yield g, regs, _expand(s_ids[len(s_ids) - len(d_ids):], src.blocks_per_logical), _expand(
                 d_ids, dst.blocks_per_logical)
 

@@ -72,7 +72,7 @@ class Registration:
 
     @property
     def release(self) -> bool:
-        return not any(self.reg.local_block_ids)
+        return not any(len(ids) for ids in self.reg.local_block_ids)  # groups may be arrays
 
 
 @dataclass(slots=True)
