@@ -16,6 +16,8 @@ from pushsvc.state.layout import (
     check_block_ids,
     check_compatible,
     descriptor_table,
+    id_arrays,
+    pair_blocks,
     plan_write,
 )
 
@@ -243,6 +245,24 @@ def test_a_plan_takes_p_blocks_as_an_array() -> None:
     listed = plan_write(src, dst, [ids], [list(range(5, 105))])
     arrayed = plan_write(src, dst, [np.asarray(ids, dtype=np.int64)], [list(range(5, 105))])
     assert pairs(arrayed) == pairs(listed) and arrayed.nbytes == listed.nbytes
+
+
+def test_long_groups_become_arrays_and_pair_and_plan_as_lists_do() -> None:
+    short, long = [4, 2, 9], list(range(300, 200, -1))  # 3 and 100 ids
+    kept = id_arrays([short, long, []])
+    assert kept[0] is short and kept[2] == []
+    assert isinstance(kept[1], np.ndarray) and kept[1].dtype == np.int64 and kept[1].tolist() == long
+    assert id_arrays([kept[1]])[0] is kept[1]  # an array stays as it is
+    src, dst = layout(region(400), region(400, block_len=8)), layout(region(500), region(500, block_len=8))
+    p_ids = np.asarray(range(50, 170), dtype=np.int64)  # 120 of P's blocks, D takes the last 100 (a prefix hit)
+    listed, arrayed = plan_write(src, dst, [p_ids], [long]), plan_write(src, dst, [p_ids], id_arrays([long]))
+    assert pairs(arrayed) == pairs(listed) and arrayed.nbytes == listed.nbytes
+    by_list, by_array = pair_blocks(src, dst, [p_ids], [long]), pair_blocks(src, dst, [p_ids], id_arrays([long]))
+    assert by_array.nbytes == by_list.nbytes == 100 * (16 + 8) and by_array.logical_blocks == 100
+    assert all(a[0] == b[0] and np.array_equal(a[1], b[1]) and np.array_equal(a[2], b[2])
+               for a, b in zip(by_array.groups, by_list.groups, strict=True))
+    with pytest.raises(LayoutError, match="twice"):
+        check_block_ids(dst, id_arrays([[*long, 300]]), "remote blocks")
 
 
 # ---------------------------------------------------------------- plan_write

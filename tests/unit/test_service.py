@@ -420,13 +420,15 @@ async def test_malformed_push_reg_is_counted_and_daemon_keeps_serving() -> None:
 async def test_push_reg_with_blocks_outside_d_is_refused_before_any_write() -> None:
     from pushsvc.protocol import notif
 
-    async with push_pair(d_blocks=16) as pair:
+    async with push_pair(d_blocks=100) as pair:
         pair.register_recv("warm-up", [1])  # D and P know each other from here on
         pair.send_ready("warm-up", [1])
         await pair.dw.wait_for(wp.RecvDone, "warm-up")
         await pair.pw.wait_for(wp.SendDone, "warm-up")
         before = pair.dw.snapshot()
-        for bad in ([[16]], [[3, 3]]):  # past D's 16 blocks; one block named twice
+        # Past D's 100 blocks; one block named twice; the same in groups long enough that P
+        # keeps them as arrays (over 64 ids).
+        for bad in ([[100]], [[3, 3]], [[*range(70), 100]], [[*range(70), 5]]):
             reg = notif.PushReg(
                 request_id="forged", decode_engine_id=pair.d.config.engine_id, decode_host="127.0.0.1",
                 decode_port=pair.d.service.peers.port, decode_tp_size=1, local_block_ids=bad,
@@ -434,7 +436,7 @@ async def test_push_reg_with_blocks_outside_d_is_refused_before_any_write() -> N
                 remote_port=pair.p.service.peers.port, remote_tp_size=1)
             pair.fake.agents[pair.p_agent].inbox[pair.d_agent].append(notif.encode_push_reg(reg))
         await wait_until(lambda: metric(pair.p, "pushsvc_malformed_inputs_total", source="notification",
-                                        reason="push_reg_blocks") == 2, "both PUSH_REGs to be refused")
+                                        reason="push_reg_blocks") == 4, "every PUSH_REG to be refused")
         pair.send_ready("forged", [0])
         await pair.pw.quiet_for(0.3)  # nothing to match: no WRITE, no final event yet
         assert pair.p.info()["tables"]["p_staged"] == 1
