@@ -9,6 +9,10 @@ Per request size, medians of ``--runs`` warm calls of the functions the daemon r
 * ``+pairs``: ... and pairing them with D's for a same-host copy (``pair_blocks``);
 * ``+plan``: ... or planning the NIXL WRITE (``plan_write``, which checks both sides again).
 
+D's ids (its ``PUSH_REG``, there before P's blocks) as P's daemon keeps them: a group of
+over 64 ids as an array, made at the ``PUSH_REG``'s arrival (``layout.id_arrays``); one
+more row pairs packed ids with D's ids as lists, as the daemon did before.
+
     python benchmarks/block_ids.py [--blocks 64,256,1024,4096] [--runs 500] [--json out.json]
 """
 
@@ -21,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from pushsvc.protocol import worker as wp
-from pushsvc.state.layout import Layout, RegionSpec, check_block_ids, pair_blocks, plan_write
+from pushsvc.state.layout import Layout, RegionSpec, check_block_ids, id_arrays, pair_blocks, plan_write
 
 REGIONS = 64  # 32 layers, K and V
 BLOCK_BYTES = 32 << 10  # 16 tokens x 8 KV heads x 128 dims x bf16
@@ -44,10 +48,12 @@ def _median_us(fn: Callable[[], object], runs: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def measure(blocks: int, packed: bool, runs: int) -> dict[str, float]:
+def measure(blocks: int, packed: bool, runs: int, d_lists: bool = False) -> dict[str, float]:
     layout = _layout()
     p_ids = list(range(7, 7 + 2 * blocks, 2))  # scattered: every other block
-    d_ids = list(range(BLOCKS_PER_REGION - blocks, BLOCKS_PER_REGION))
+    d_ids = [list(range(BLOCKS_PER_REGION - blocks, BLOCKS_PER_REGION))]
+    if not d_lists:
+        d_ids = id_arrays(d_ids)
 
     def encode() -> bytes:
         groups = wp.pack_ids([p_ids]) if packed else [p_ids]
@@ -63,8 +69,8 @@ def measure(blocks: int, packed: bool, runs: int) -> dict[str, float]:
     return {
         "encode_us": _median_us(encode, runs),
         "decode_check_us": _median_us(decode_check, runs),
-        "pairs_us": _median_us(lambda: pair_blocks(layout, layout, decode_check(), [d_ids]), runs),
-        "plan_us": _median_us(lambda: plan_write(layout, layout, decode_check(), [d_ids]), runs),
+        "pairs_us": _median_us(lambda: pair_blocks(layout, layout, decode_check(), d_ids), runs),
+        "plan_us": _median_us(lambda: plan_write(layout, layout, decode_check(), d_ids), runs),
         "wire_bytes": len(data),
     }
 
@@ -77,13 +83,16 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for blocks in (int(b) for b in args.blocks.split(",")):
-        for packed in (False, True):
-            rows.append({"blocks": blocks, "ids": "packed" if packed else "listed", **measure(blocks, packed, args.runs)})
+        for packed, d_lists in ((False, False), (True, False), (True, True)):
+            rows.append({"blocks": blocks, "ids": "packed" if packed else "listed",
+                         "d_ids": "lists" if d_lists else "as kept", **measure(blocks, packed, args.runs, d_lists)})
     print(f"P's finished block ids, {REGIONS} regions, medians of {args.runs} (us)\n")
-    print("| blocks | ids | wire bytes | worker: encode | daemon: decode+check | +pairs (same host) | +plan (NIXL) |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| blocks | P's ids | D's ids | wire bytes | worker: encode | daemon: decode+check | +pairs (same host) "
+          "| +plan (NIXL) |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['blocks']} | {r['ids']} | {r['wire_bytes']} | {r['encode_us']:.1f} | {r['decode_check_us']:.1f} "
+        print(f"| {r['blocks']} | {r['ids']} | {r['d_ids']} | {r['wire_bytes']} | {r['encode_us']:.1f} "
+              f"| {r['decode_check_us']:.1f} "
               f"| {r['pairs_us']:.1f} | {r['plan_us']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
