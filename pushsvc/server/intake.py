@@ -54,9 +54,6 @@ class Intake:
         except ProtocolError as exc:
             self._malformed("push_reg", sender, exc)
             return
-        # Long groups as arrays from here on: checked now, then paired or planned when P's
-        # blocks are ready, without turning the lists into arrays on each of those steps.
-        reg.local_block_ids = id_arrays(reg.local_block_ids)
         if reg.remote_engine_id != self._engine_id:
             self._malformed("push_reg_wrong_engine", sender, ProtocolError(f"PUSH_REG for engine {reg.remote_engine_id}"))
             return
@@ -115,6 +112,10 @@ class Intake:
                     self._registered(rank, registration.reg, registration.sender, peer, result)
 
     def _checks_out(self, rank: Rank, peer: Peer, sender: str, reg: notif.PushReg) -> bool:
+        # Long groups as arrays from here on (once the sender is known: an unverified
+        # registration keeps its lists until it is): checked now, then paired or planned when
+        # P's blocks are ready, without turning the lists into arrays at each of those steps.
+        reg.local_block_ids = id_arrays(reg.local_block_ids)
         if (error := registration_error(peer.engine_id, peer.agents[sender], reg, rank.number, rank.tp_size,
                                         peer.described(sender))) is None:
             return True

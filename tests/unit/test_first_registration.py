@@ -53,13 +53,15 @@ def _engines(kind: str) -> tuple[Any, Any] | None:
 
 @pytest.mark.parametrize("engine", ["fake", pytest.param("nixl", marks=pytest.mark.nixl)])
 @pytest.mark.parametrize("authenticated", [False, True], ids=["open", "secret"])
+@pytest.mark.parametrize("blocks", [2, 100], ids=["short", "long"])  # long: P keeps D's ids as an array
 async def test_a_push_reg_read_before_p_adopted_the_session_is_written(
-        monkeypatch: pytest.MonkeyPatch, authenticated: bool, engine: str) -> None:
-    async with push_pair(authenticated=authenticated, engines=_engines(engine)) as pair:
+        monkeypatch: pytest.MonkeyPatch, authenticated: bool, engine: str, blocks: int) -> None:
+    p_ids, d_ids = list(range(1, 1 + blocks)), list(reversed(range(130, 130 + blocks)))
+    async with push_pair(authenticated=authenticated, engines=_engines(engine), p_blocks=256, d_blocks=256) as pair:
         release = asyncio.Event()
         _hold_accepts_until(pair.p.service.peers, monkeypatch, release)
-        pair.send_ready(RID, [1, 2])
-        pair.register_recv(RID, [5, 6])
+        pair.send_ready(RID, p_ids)
+        pair.register_recv(RID, d_ids)
         # D is done with its side and sent the PUSH_REG; P read it from an unknown agent.
         await wait_until(lambda: metric(pair.p, "pushsvc_notifications_total", kind="push_reg_unverified") == 1,
                          "P to read D's PUSH_REG before it adopted D's session")
@@ -68,7 +70,7 @@ async def test_a_push_reg_read_before_p_adopted_the_session_is_written(
         done = await pair.dw.wait_for(wp.RecvDone, RID, WAIT_S)
         assert done.request_id == RID
         await pair.pw.wait_for(wp.SendDone, RID, WAIT_S)
-        assert np.array_equal(pair.dw.snapshot(), expected_after_push(pair.pw, pair.dw, [1, 2], [5, 6]))
+        assert np.array_equal(pair.dw.snapshot(), expected_after_push(pair.pw, pair.dw, p_ids, d_ids))
 
 
 async def test_a_push_reg_from_before_the_session_opened_is_not_vouched_for_by_it(push_reg: Any) -> None:
