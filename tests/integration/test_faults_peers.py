@@ -232,9 +232,10 @@ def test_kill_d_daemon_mid_stream(spawn, base_dir, how, ucx_mode, slice_mib, mon
     put can complete once the kernel has them, and Linux lets a loopback socket buffer
     tens of MiB for a receiver that reads nothing (``tcp_rmem``). On a loaded host a held
     slice, or a whole held WRITE, was seen to complete into a stopped D. The stopped case
-    bounds UCX's socket buffers (``UCX_TCP_SNDBUF``/``RCVBUF``): with two busy loops beside
-    it the slices case then failed 1 run of 8 instead of 3 of 8, so that is not all of
-    it; what else lets a slice complete into a stopped D is not established."""
+    bounds UCX's socket buffers (``UCX_TCP_SNDBUF``/``RCVBUF``). That is not all of it:
+    with two busy loops beside it the slices case still failed 1 run of 8 (3 of 8 before,
+    too few runs to say the bound helps); what else lets a slice complete into a stopped
+    D is not established."""
     if how == "stopped_then_killed":
         monkeypatch.setenv("UCX_TCP_SNDBUF", "64k")
         monkeypatch.setenv("UCX_TCP_RCVBUF", "64k")
