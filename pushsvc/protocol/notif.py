@@ -42,7 +42,8 @@ class PushReg(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     decode_host: Name
     decode_port: Port
     decode_tp_size: _TP
-    local_block_ids: BlockIds  # P's daemon keeps groups of over 64 ids as arrays (``layout.id_arrays``)
+    # P's daemon keeps groups of over 64 ids as arrays once the sender is known (``layout.id_arrays``).
+    local_block_ids: BlockIds
     remote_engine_id: Name
     remote_host: Name
     remote_port: Port

@@ -205,7 +205,7 @@ def check_block_ids(layout: Layout, block_ids: Sequence[Sequence[int]], who: str
 def id_arrays(block_ids: Sequence[Sequence[int]]) -> list[Sequence[int]]:
     """``block_ids`` with each group of more than 64 ids as an int64 array, the shorter ones
     as they are: for ids a daemon checks and pairs more than once (D's ``PUSH_REG`` at P:
-    at its arrival, again when it is matched and planned). ``check_block_ids`` turns a long
+    once its sender is known, again when it is matched and planned). ``check_block_ids`` turns a long
     list into an array each time it looks; ``pair_blocks`` and ``plan_write`` too."""
     return [np.fromiter(ids, dtype=np.int64, count=len(ids))
             if len(ids) > _CHECK_BY_BUILTINS and not isinstance(ids, np.ndarray) else ids for ids in block_ids]
