@@ -10,7 +10,7 @@ Per request size, medians of ``--runs`` warm calls of the functions the daemon r
 * ``+plan``: ... or planning the NIXL WRITE (``plan_write``, which checks both sides again).
 
 D's ids (its ``PUSH_REG``, there before P's blocks) as P's daemon keeps them: a group of
-over 64 ids as an array, made at the ``PUSH_REG``'s arrival (``layout.id_arrays``); one
+over 64 ids as an array, made once the ``PUSH_REG``'s sender is known (``layout.id_arrays``); one
 more row pairs packed ids with D's ids as lists, as the daemon did before.
 
     python benchmarks/block_ids.py [--blocks 64,256,1024,4096] [--runs 500] [--json out.json]
