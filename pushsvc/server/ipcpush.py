@@ -146,7 +146,7 @@ class IpcPlan:
 
     target: IpcTarget
     pairs: BlockPairs
-    announce: pp.WriteStarted  # D hears of it once the copies are launched (verify: P's digests)
+    announce: pp.WriteStarted  # D hears of it before the copies launch (verify: P's digests)
 
 
 def plan_ipc(rank: Rank, match: Match, target: pp.AgentInfo | None, heard_at: float, verify: bool

@@ -244,17 +244,13 @@ class Sender:
             self._fail_push(rank, match, peer, kind, reason)
             return
         self._timelines.mark(rank, SEND, match.request_id, "write_planned")
-        # Launched before D hears of it: D needs the announcement only to poll hot for the
-        # completion, and the device starts copying while it goes out.
+        self._peers.send(peer, plan.announce)
         write, error = launch_ipc(rank, match, plan, sender, self._now())
         if write is None:
             self._fail_push(rank, match, peer, "write_submit_failed", error)
-            return
-        self._peers.send(peer, plan.announce)
-        self._metrics.ipc_copies.inc()
-        self._posted(rank, write, peer, 0)  # no NIXL part: copies on the device
-        if copies_settled(rank.agent, write):  # a small copy is often done by now: no pass to wait for
-            self._settle_parts(rank, write, [])
+        else:
+            self._metrics.ipc_copies.inc()
+            self._posted(rank, write, peer, 0)  # no NIXL part: copies on the device
 
     def _post(self, rank: Rank, match: Match, peer: Peer, slot_ids: list[list[int]] | None, staged: str) -> None:
         """Plan and post ``match``'s WRITE: from the worker's blocks, or (``staged``: the
