@@ -65,7 +65,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--post-slice-mib", dest="post_slice_mib", type=int,
                    help="P: WRITEs from host memory go a slice of about this size per loop pass, MiB (0: one post)")
     p.add_argument("--ucx-error-handling-mode", dest="ucx_error_handling_mode", choices=["peer", "none"],
-                   help="UCX error handling: peer (a dead peer fails the WRITE; on one host RMA over tcp/lo) "
+                   help="UCX error handling: peer (a dead peer fails the WRITE; on one host notifications over tcp/lo) "
                         "or none (shared-memory transports)")
     p.add_argument("--ucx-sgl", dest="ucx_sgl", choices=["on", "off"],
                    help="post each WRITE to UCX as one scatter-gather list (on; faster for many GPU descriptors, "

@@ -86,8 +86,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # NIXL.
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_progress_thread: bool = False
-    # UCX's error handling: "peer" reports a dead peer to a WRITE (on one host it limits
-    # RMA to tcp/lo); "none" allows shared memory (docs/architecture.md, "UCX transports").
+    # UCX's error handling: "peer" reports a dead peer to a WRITE (on one host the bytes go
+    # by cma, messages over tcp/lo); "none" allows shared memory (docs/architecture.md,
+    # "UCX transports").
     ucx_error_handling_mode: str = "peer"
     # "on": NIXL hands UCX each WRITE as one scatter-gather list instead of one put per
     # descriptor (NIXL_UCX_SGL_ENABLE; over cuda_ipc one batched copy for all of them).
@@ -132,7 +133,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # early parts while later ones land (at most 32 parts); 0 = one WRITE.
     write_part_mib: int = 256
     # P posts a WRITE from host memory (the CPU path) a slice of about this size per pass
-    # of its loop: over TCP the post itself moves the bytes, holding the loop that long
+    # of its loop: the post itself moves the bytes (cma on one host, TCP between hosts
+    # without RDMA), holding the loop that long
     # (~8 ms per 64 MiB on one host; docs/architecture.md, "UCX transports"). 0 = one post.
     post_slice_mib: int = 64
     # P's staging buffer per producer rank with CUDA KV: P copies a request's blocks into it

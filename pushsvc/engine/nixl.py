@@ -277,8 +277,9 @@ class NixlEngine:
         self.on_slow = on_slow
         self.sgl = sgl
         # UCX's "peer" mode (NIXL's default) reports a dead peer (NIXL_ERR_REMOTE_DISCONNECT)
-        # but keeps only transports that can: on one host, RMA over tcp/lo. "none" brings
-        # back the shared-memory transports (docs/architecture.md, "UCX transports").
+        # but keeps only transports that can: on one host, puts by cma and active messages
+        # (notifications) over tcp/lo. "none" brings back the shared-memory transports
+        # (docs/architecture.md, "UCX transports").
         self.backend_params = ({} if ucx_error_handling_mode == "peer" else
                                {"UCX": {"ucx_error_handling_mode": ucx_error_handling_mode}})
         # Import NIXL (seconds on a loaded host) now, before the daemon reports ready,

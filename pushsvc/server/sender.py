@@ -287,7 +287,8 @@ class Sender:
             return
         self._timelines.mark(rank, SEND, match.request_id, "write_planned")
         # Announced before the post: D polls back to back from when it hears of the WRITE,
-        # and a WRITE over tcp/lo moves only while D progresses, so D starts while P posts.
+        # and a WRITE between two processes of a host settles only while D progresses, so D
+        # starts while P posts.
         self._peers.send(peer, write_started(rank, reg, push.plan.nbytes, push.digests))
         handles, states, failed, sliced = post_write(rank.agent, rank.remotes.dlist(target.agent_name),
                                                      target.agent_name, push, reg.request_id, rank.tp_size)

@@ -73,8 +73,8 @@ class LayerPost:
 
 @dataclass(eq=False)
 class SlicedPost:
-    """A WRITE from host memory, posted one slice per pass of the progress loop: over TCP
-    a post moves its bytes before it returns, and holds the daemon's loop that long
+    """A WRITE from host memory, posted one slice per pass of the progress loop: by cma
+    on one host and over TCP between hosts, a post moves its bytes before it returns, and holds the daemon's loop that long
     (docs/architecture.md, "UCX transports"). A slice goes once the ones before it
     settled; the last carries the completion notification."""
 

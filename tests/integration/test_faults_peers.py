@@ -228,14 +228,14 @@ def test_kill_d_daemon_mid_stream(spawn, base_dir, how, ucx_mode, slice_mib, mon
     registrations take 2 MiB each: their first slice meets the stopped D and stays in
     flight, so the kill meets them part-way, and their second slice is never posted.
 
-    "Cannot finish" holds only while the connection cannot take the bytes: over tcp/lo a
-    put can complete once the kernel has them, and Linux lets a loopback socket buffer
-    tens of MiB for a receiver that reads nothing (``tcp_rmem``). On a loaded host a held
-    slice, or a whole held WRITE, was seen to complete into a stopped D. The stopped case
-    bounds UCX's socket buffers (``UCX_TCP_SNDBUF``/``RCVBUF``). That is not all of it:
-    with two busy loops beside it the slices case still failed 1 run of 8 (3 of 8 before,
-    too few runs to say the bound helps); what else lets a slice complete into a stopped
-    D is not established."""
+    "Cannot finish": on one host UCX puts the bytes by cma, which the kernel copies into a
+    stopped process too, but settling a WRITE needs the target: probed directly, WRITEs of
+    2 and 8 MiB into a stopped process, with and without a notification, were all still in
+    progress after 1 s (docs/architecture.md, "UCX transports"). Yet on a loaded host a
+    held slice was seen to complete into a stopped D: with two busy loops beside it the
+    slices case failed 3 runs of 8, and 1 of 8 with UCX's TCP socket buffers bounded
+    (``UCX_TCP_SNDBUF``/``RCVBUF``, kept for the stopped cases; too few runs to say the
+    bound helps). Why is not established."""
     if how == "stopped_then_killed":
         monkeypatch.setenv("UCX_TCP_SNDBUF", "64k")
         monkeypatch.setenv("UCX_TCP_RCVBUF", "64k")
