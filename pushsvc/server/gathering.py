@@ -23,7 +23,7 @@ from pushsvc.server.joints import Gather, Joint, Joints
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.ranks import Rank
 from pushsvc.state.consumer import CANCELLED, ConsumerTable, Remote, flat
-from pushsvc.state.layout import check_block_ids
+from pushsvc.state.layout import check_block_ids, names_no_block
 
 log = structlog.get_logger("pushsvc.receiver")
 
@@ -64,7 +64,7 @@ class Gatherer:
                 self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=flat(msg.local_block_ids),
                                                       reason=ended))
                 return
-        if not any(msg.local_block_ids):  # a release: the first member's goes out through the joint
+        if names_no_block(msg.local_block_ids):  # a release: the first member's goes out through the joint
             if joint is not None and index == 0:
                 self._release(joint, msg, Remote(msg.remote_engine_id, msg.remote_host, msg.remote_port,
                                                  msg.remote_tp_size))

@@ -25,7 +25,7 @@ from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
 from pushsvc.server.remotes import registration_error
-from pushsvc.state.layout import id_arrays
+from pushsvc.state.layout import id_arrays, names_no_block
 from pushsvc.state.producer import Match, ProducerTable, Registration, RegOutcome, RegResult
 
 log = structlog.get_logger("pushsvc.sender")
@@ -152,7 +152,7 @@ class Intake:
             kind = "push_reg_finished" if outcome is RegOutcome.FINISHED else "push_reg_table_full"
             self._metrics.notifications.labels(kind).inc()
             log.info(kind, request_id=reg.request_id, match_key=reg.match_key, peer=sender)
-            if peer is not None and any(len(ids) for ids in reg.local_block_ids):  # a release needs no answer
+            if peer is not None and not names_no_block(reg.local_block_ids):  # a release needs no answer
                 why = ("the exchange's P request already ended" if outcome is RegOutcome.FINISHED
                        else "P holds too many registrations")
                 self._tell_d(rank, peer, reg, f"registration refused: {why}")

@@ -56,7 +56,8 @@ from pushsvc.state.consumer import (
 )
 from pushsvc.state import tp
 from pushsvc.state.landing import AllocOutcome
-from pushsvc.state.layout import Layout, check_block_ids, descriptor_table, dest_indices, source_view
+from pushsvc.state.layout import (Layout, check_block_ids, descriptor_table, dest_indices, names_no_block,
+                                   source_view)
 from pushsvc.state.stages import LayerKey, keys, stage_view
 from pushsvc.state.timeline import RECV
 
@@ -137,7 +138,7 @@ class Receiver:
             self._outbox.tell(rank, wp.RecvFailed(request_id=rid, block_ids=flat(msg.local_block_ids), reason=reason))
             return
         remote = Remote(msg.remote_engine_id, msg.remote_host, msg.remote_port, msg.remote_tp_size)
-        if not any(msg.local_block_ids):
+        if names_no_block(msg.local_block_ids):
             self._release(rank, msg, remote)
             return
         entry = table.add(rid, msg.local_block_ids, remote, self._now(), msg.match_key)

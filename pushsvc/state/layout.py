@@ -211,6 +211,13 @@ def id_arrays(block_ids: Sequence[Sequence[int]]) -> list[Sequence[int]]:
             if len(ids) > _CHECK_BY_BUILTINS and not isinstance(ids, np.ndarray) else ids for ids in block_ids]
 
 
+def names_no_block(block_ids: Sequence[Sequence[int]]) -> bool:
+    """Whether no group of ``block_ids`` names a block: a registration that only releases
+    its exchange. Groups may be lists or arrays (``id_arrays``), so it asks their lengths,
+    never their truth."""
+    return not any(len(ids) for ids in block_ids)
+
+
 @dataclass(frozen=True, slots=True)
 class WritePlan:
     src_indices: np.ndarray  # int32 indices into the source descriptor table

@@ -46,6 +46,7 @@ from enum import Enum
 
 from pushsvc.protocol.notif import PushReg
 from pushsvc.state.ids import base_request_id
+from pushsvc.state.layout import names_no_block
 
 RegKey = tuple[str, str]  # (D engine id, D's request id)
 
@@ -72,7 +73,7 @@ class Registration:
 
     @property
     def release(self) -> bool:
-        return not any(len(ids) for ids in self.reg.local_block_ids)  # groups may be arrays
+        return names_no_block(self.reg.local_block_ids)
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from pushsvc.state.layout import (
     check_compatible,
     descriptor_table,
     id_arrays,
+    names_no_block,
     pair_blocks,
     plan_write,
 )
@@ -263,6 +264,14 @@ def test_long_groups_become_arrays_and_pair_and_plan_as_lists_do() -> None:
                for a, b in zip(by_array.groups, by_list.groups, strict=True))
     with pytest.raises(LayoutError, match="twice"):
         check_block_ids(dst, id_arrays([[*long, 300]]), "remote blocks")
+
+
+def test_a_registration_names_no_block_only_when_every_group_is_empty_list_or_array() -> None:
+    empty = np.empty(0, dtype=np.int64)
+    assert names_no_block([]) and names_no_block([[]]) and names_no_block([[], empty])
+    assert not names_no_block([[], [0]])  # block 0 is a block
+    assert not names_no_block([np.zeros(1, dtype=np.int64)])  # an array of one 0: falsy, yet a block
+    assert not names_no_block(id_arrays([list(range(100))]))  # an array whose truth numpy refuses
 
 
 # ---------------------------------------------------------------- plan_write
