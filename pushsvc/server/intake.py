@@ -65,7 +65,7 @@ class Intake:
             self._malformed("push_reg_departed_agent", sender, ProtocolError(f"PUSH_REG from departed agent {sender}"))
             self._release_counterpart(rank, reg)
             return
-        if peer is not None and not self._checks_out(rank, peer, sender, reg):
+        if peer is not None and not self._admitted(rank, peer, sender, reg):
             return
         self._metrics.notifications.labels("push_reg").inc()
         result = self._table(rank).add_registration(reg, sender, self._now(), verified=peer is not None)
@@ -104,17 +104,20 @@ class Intake:
                 log.info("registration_dropped", request_id=registration.request_id, peer=peer.engine_id,
                          reason="its agent was replaced")
             for registration in table.unverified_from(names):
-                if not self._checks_out(rank, peer, registration.sender, registration.reg):
+                if not self._admitted(rank, peer, registration.sender, registration.reg):
                     table.drop_registration(registration.key)
                     continue
                 result = table.confirm(registration.key, self._now())
                 if result is not None:
                     self._registered(rank, registration.reg, registration.sender, peer, result)
 
-    def _checks_out(self, rank: Rank, peer: Peer, sender: str, reg: notif.PushReg) -> bool:
-        # Long groups as arrays from here on (once the sender is known: an unverified
-        # registration keeps its lists until it is): checked now, then paired or planned when
-        # P's blocks are ready, without turning the lists into arrays at each of those steps.
+    def _admitted(self, rank: Rank, peer: Peer, sender: str, reg: notif.PushReg) -> bool:
+        """Whether ``reg``, from ``peer``'s announced agent ``sender``, passes the checks
+        against that agent; if not, it is counted and logged, and D hears why where the
+        registration is its own. First its long groups become arrays, kept from here on
+        (once the sender is known: an unverified registration keeps its lists until it is):
+        checked now, then paired or planned when P's blocks are ready, without turning the
+        lists into arrays at each of those steps."""
         reg.local_block_ids = id_arrays(reg.local_block_ids)
         if (error := registration_error(peer.engine_id, peer.agents[sender], reg, rank.number, rank.tp_size,
                                         peer.described(sender))) is None:
