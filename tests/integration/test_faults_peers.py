@@ -218,27 +218,24 @@ def _figure(name: str, **values) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("how, ucx_mode, slice_mib", [("running", "peer", 0), ("stopped_then_killed", "peer", 0),
                                                       ("running", "none", 0), ("stopped_then_killed", "peer", 1)])
-def test_kill_d_daemon_mid_stream(spawn, base_dir, how, ucx_mode, slice_mib, monkeypatch):
+def test_kill_d_daemon_mid_stream(spawn, base_dir, how, ucx_mode, slice_mib):
     """kill -9 D's daemon during a stream of 120 pushes of 4 MiB each. ``stopped_then_killed``
-    first stops D, then lets P WRITE three registrations it held: those WRITEs cannot
-    finish, so the kill certainly meets WRITEs in flight. With ``ucx_error_handling_mode =
-    "none"`` a WRITE on one host goes through cma (the kernel copies into D's memory, a
-    stopped D too), so only the running case applies there. With ``slice_mib`` P posts
-    each push in 1 MiB slices, the next once the one before settled, and the held
-    registrations take 2 MiB each: their first slice meets the stopped D and stays in
-    flight, so the kill meets them part-way, and their second slice is never posted.
+    first stops D, then lets P WRITE registrations it held: those WRITEs cannot finish, so
+    the kill certainly meets WRITEs in flight. With ``ucx_error_handling_mode = "none"`` a
+    WRITE into a stopped D settles (docs/architecture.md, "UCX transports"), so only the
+    running case applies there. With ``slice_mib`` P posts each push in 1 MiB slices, the
+    next once the one before settled, and the two held registrations take 4 MiB each: the
+    kill meets them part-way, and the slices after the one in flight are never posted.
 
     "Cannot finish": on one host UCX puts the bytes by cma, which the kernel copies into a
     stopped process too, but settling a WRITE needs the target: probed directly, WRITEs of
-    2 and 8 MiB into a stopped process, with and without a notification, were all still in
-    progress after 1 s (docs/architecture.md, "UCX transports"). Yet on a loaded host a
-    held slice was seen to complete into a stopped D: with two busy loops beside it the
-    slices case failed 3 runs of 8, and 1 of 8 with UCX's TCP socket buffers bounded
-    (``UCX_TCP_SNDBUF``/``RCVBUF``, kept for the stopped cases; too few runs to say the
-    bound helps). Why is not established."""
-    if how == "stopped_then_killed":
-        monkeypatch.setenv("UCX_TCP_SNDBUF", "64k")
-        monkeypatch.setenv("UCX_TCP_RCVBUF", "64k")
+    2 and 8 MiB into a stopped process, with and without a notification, posted 0, 2 or 200
+    ms after the stop, were all still in progress after 0.5-1 s. Yet here, on a loaded
+    host, the first slice of a held WRITE posted a few ms after the stop was seen to
+    settle into the stopped D, and the second then stayed in flight (with two busy loops
+    beside it, 5 runs of 8 on 2026-12-06 when the held WRITEs had two slices); why is not
+    established. So a held WRITE has four slices, and the test asks that the kill met it
+    part-way, not at which slice."""
     mode = ("--ucx-error-handling-mode", ucx_mode)
     slicing = ("--post-slice-mib", str(slice_mib)) if slice_mib else ()
     P = spawn.daemon("prefill", "--log-level", "debug", "--lease-s", "4", *mode, *slicing)
@@ -246,8 +243,8 @@ def test_kill_d_daemon_mid_stream(spawn, base_dir, how, ucx_mode, slice_mib, mon
     pw, dw = _workers(spawn, P, D)
     assert [e["type"] for e in _push(P, pw, dw, "warm", [0], [0])] == ["RecvDone", "SendDone"]
 
-    per_held = 2 if slice_mib else 1
-    held = _register_held(P, dw, blocks=per_held)
+    per_held, n_held = (4, 2) if slice_mib else (1, 3)
+    held = _register_held(P, dw, n=n_held, blocks=per_held)
     ids, thread = _start_stream(P, pw, dw, "s")
     if how == "running":
         t_kill = _strike(P, D.proc, signal.SIGKILL)
@@ -281,10 +278,12 @@ def test_kill_d_daemon_mid_stream(spawn, base_dir, how, ucx_mode, slice_mib, mon
     assert "SendDone" in types and "SendFailed" in types, "the kill did not land mid-stream"
     if how == "stopped_then_killed":
         assert set(held) <= set(in_flight_at_kill), (held, in_flight_at_kill)
-    if slice_mib:  # every push went in slices: the held ones stopped after their first
+    if slice_mib:  # every push went in slices: the held ones stopped part-way
         done = [rid for rid in ids if writes.get(rid, {}).get("state") == "DONE"]
         assert done and all(writes[rid]["slices"] == "4/4" for rid in done), [writes[r] for r in done]
-        assert all(writes[rid]["slices"] == "1/2" for rid in held), [writes[r] for r in held]
+        # part-way: a slice was in flight at the kill, and none was posted after it failed
+        assert all(1 <= int(writes[rid]["slices"].split("/")[0]) < 4 and writes[rid]["slices"].endswith("/4")
+                   for rid in held), [writes[r] for r in held]
         assert all(collected["events"][rid][0]["type"] == "SendFailed" for rid in held)
     # P forgets D: tables, leases, WRITE handles and D's agent (its prepped list too).
     _wait_until(lambda: _p_clean(P, remote_agents=0), 30, "P back to zero")
