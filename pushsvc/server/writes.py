@@ -73,10 +73,10 @@ class LayerPost:
 
 @dataclass(eq=False)
 class SlicedPost:
-    """A WRITE from host memory, posted one slice per pass of the progress loop: by cma
-    on one host and over TCP between hosts, a post moves its bytes before it returns, and holds the daemon's loop that long
-    (docs/architecture.md, "UCX transports"). A slice goes once the ones before it
-    settled; the last carries the completion notification."""
+    """A WRITE from host memory, posted one slice per pass of the progress loop: a post
+    moves its bytes before it returns (by cma on one host, over TCP between hosts), and
+    holds the daemon's loop that long (docs/architecture.md, "UCX transports"). A slice
+    goes once the ones before it settled; the last carries the completion notification."""
 
     plan: WritePlan
     local: DListHandle

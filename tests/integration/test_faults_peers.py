@@ -282,8 +282,7 @@ def test_kill_d_daemon_mid_stream(spawn, base_dir, how, ucx_mode, slice_mib):
         done = [rid for rid in ids if writes.get(rid, {}).get("state") == "DONE"]
         assert done and all(writes[rid]["slices"] == "4/4" for rid in done), [writes[r] for r in done]
         # part-way: a slice was in flight at the kill, and none was posted after it failed
-        assert all(1 <= int(writes[rid]["slices"].split("/")[0]) < 4 and writes[rid]["slices"].endswith("/4")
-                   for rid in held), [writes[r] for r in held]
+        assert all(writes[rid]["slices"] in ("1/4", "2/4", "3/4") for rid in held), [writes[r] for r in held]
         assert all(collected["events"][rid][0]["type"] == "SendFailed" for rid in held)
     # P forgets D: tables, leases, WRITE handles and D's agent (its prepped list too).
     _wait_until(lambda: _p_clean(P, remote_agents=0), 30, "P back to zero")

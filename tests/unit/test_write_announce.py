@@ -1,5 +1,6 @@
 """P announces a WRITE (``WriteStarted``) just before it posts it: D polls back to back from
-when it hears of it, and a WRITE between two processes of a host settles only while D progresses too."""
+when it hears of it, and a WRITE between two processes of a host settles only while D
+progresses too."""
 
 from __future__ import annotations
 
