@@ -302,9 +302,17 @@ def _ipc_ready(d_daemon, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+def _cpu_seconds(daemon) -> float:
+    """CPU time (user and system) the daemon's process has used so far."""
+    with open(f"/proc/{daemon.proc.pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int, small_reps: int,
                 log_level: str = "warning", part_mib: int | None = None, staging_mib: int = 0,
-                ucx_mode: str = "peer", sgl: bool = False, ipc: bool = False, hot_yield: str = "on") -> dict:
+                ucx_mode: str = "peer", sgl: bool = False, ipc: bool = False, hot_yield: str = "on",
+                spin_s: float = 0.0) -> dict:
     from procs import start_daemon
 
     base = Path(tempfile.mkdtemp(prefix="psbench-gpu-"))
@@ -313,7 +321,7 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     if staging_mib:
         parts += ("--staging-mib", str(staging_mib))
     mode = ("--ucx-error-handling-mode", ucx_mode, "--ucx-sgl", "on" if sgl else "off", "--ipc-push",
-            "auto" if ipc else "off", "--poll-hot-yield", hot_yield)
+            "auto" if ipc else "off", "--poll-hot-yield", hot_yield, "--poll-spin-s", str(spin_s))
     p_daemon = start_daemon(base, "prefill", "--gpu", "on", "--log-level", log_level, *parts, *mode, timeout=120)
     d_daemon = start_daemon(base, "decode", "--gpu", "on", "--log-level", log_level, "--landing-mib",
                             str(landing_mib), *mode, timeout=120)
@@ -321,6 +329,7 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     d = _Proc(d_daemon, "consumer", total_blocks, 2)
     out: dict = {"push": {}, "exposed": {}, "parts": {}, "timelines": {}}
     seq = 0
+    started, cpu0 = time.monotonic(), {"P": _cpu_seconds(p_daemon), "D": _cpu_seconds(d_daemon)}
 
     def one(n: int, p_ids: list[int], d_ids: list[int]) -> tuple[float, float]:
         nonlocal seq
@@ -370,6 +379,13 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     print("  hot progress passes (all, over 0.5 ms, over 2.5 ms): " + "; ".join(
         f"{side} {v['passes']:.0f}, {v['over_0.5ms']:.0f}, {v['over_2.5ms']:.0f}" for side, v in out["hot_passes"].items()),
         flush=True)
+    wall = time.monotonic() - started
+    out["daemon_cpu"] = {side: {"cpu_s": _cpu_seconds(daemon) - cpu0[side], "wall_s": wall,
+                                "spun_s": daemon.metric("pushsvc_progress_spin_seconds_total")}
+                         for side, daemon in (("P", p_daemon), ("D", d_daemon))}
+    print("  daemons' CPU over the run: " + "; ".join(
+        f"{side} {v['cpu_s']:.2f} s of {v['wall_s']:.2f} s (spun {v['spun_s']:.2f} s)"
+        for side, v in out["daemon_cpu"].items()), flush=True)
     out["daemon_info"] = {"prefill": p_daemon.live_info(), "decode": d_daemon.live_info()}
     out["ipc_copies"] = p_daemon.metric("pushsvc_ipc_copies_total")
     if log_level == "debug":
@@ -480,6 +496,8 @@ def main() -> None:
                     help="the daemons' ucx_sgl and the in-process anchor's alike (docs/gpu.md)")
     ap.add_argument("--poll-hot-yield", default="on", choices=["on", "off"],
                     help="the daemons' poll_hot_yield (docs/architecture.md, \"Two hot loops on one CPU\")")
+    ap.add_argument("--poll-spin-s", type=float, default=0.0,
+                    help="the daemons' poll_spin_s: busy polling while requests wait (docs/architecture.md)")
     ap.add_argument("--phases", action="store_true",
                     help="daemon push only, daemons logging at debug: where each push's time goes")
     ap.add_argument("--layerwise", action="store_true",
@@ -520,7 +538,7 @@ def main() -> None:
         push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug",
                            part_mib=args.part_mib, staging_mib=args.staging_mib,
                            ucx_mode=args.ucx_error_handling_mode, sgl=args.ucx_sgl == "on",
-                           hot_yield=args.poll_hot_yield)
+                           hot_yield=args.poll_hot_yield, spin_s=args.poll_spin_s)
         (out_dir / "gpu_phases.json").write_text(json.dumps(push["phases"], indent=2))
         for rid, ev in list(push["phases"].items())[:: max(1, len(push["phases"]) // 40)]:
             print(rid, " ".join(f"{k}={v}" for k, v in sorted(ev.items(), key=lambda kv: kv[1])))
@@ -539,12 +557,12 @@ def main() -> None:
     print("daemon push ...", flush=True)
     push = daemon_push(sizes, total, patterns, args.repeats, args.small, part_mib=args.part_mib,
                        staging_mib=args.staging_mib, ucx_mode=args.ucx_error_handling_mode,
-                       sgl=args.ucx_sgl == "on", hot_yield=args.poll_hot_yield)
+                       sgl=args.ucx_sgl == "on", hot_yield=args.poll_hot_yield, spin_s=args.poll_spin_s)
     same_host = None
     if args.ipc == "both":
         print("same-host push ...", flush=True)
         same_host = daemon_push(sizes, total, patterns, args.repeats, args.small, ucx_mode=args.ucx_error_handling_mode,
-                                hot_yield=args.poll_hot_yield, ipc=True)
+                                hot_yield=args.poll_hot_yield, ipc=True, spin_s=args.poll_spin_s)
     rows = []
     for pattern in patterns:
         for n in sizes:
@@ -563,10 +581,11 @@ def main() -> None:
                          "dtype": "bfloat16", "block_bytes": BLOCK_BYTES},
               "daemon_info": push["daemon_info"], "write_part_mib": args.part_mib,
               "staging_mib": args.staging_mib, "ucx_sgl": args.ucx_sgl,
-              "poll_hot_yield": args.poll_hot_yield, "p_gpu": p_gpu, "d_gpu": d_gpu}
+              "poll_hot_yield": args.poll_hot_yield, "poll_spin_s": args.poll_spin_s, "daemon_cpu": push["daemon_cpu"],
+              "p_gpu": p_gpu, "d_gpu": d_gpu}
     if same_host is not None:
         result.update(same_host_small_request=same_host["small"], same_host_small_timeline_ms=same_host[
-            "small_timeline_ms"], same_host_copies=same_host["ipc_copies"])
+            "small_timeline_ms"], same_host_copies=same_host["ipc_copies"], same_host_daemon_cpu=same_host["daemon_cpu"])
     (out_dir / "gpu_push.json").write_text(json.dumps(result, indent=2))
     _chart(rows, out_dir / "gpu_push.png")
     print("\n| ids | blocks | MiB | daemon push GB/s | in-process NIXL GB/s | daemon / NIXL | torch copy GB/s "

@@ -76,6 +76,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--poll-hot-yield", dest="poll_hot_yield", type=_on_off, metavar="{on,off}",
                    help="before each hot pass the progress loop offers its CPU to other waiting processes (on) "
                         "or keeps it (off)")
+    p.add_argument("--poll-spin-s", dest="poll_spin_s", type=float, metavar="SECONDS",
+                   help="busy polling: for this long after each worker message or peer event, while a request is "
+                        "tracked, poll back to back instead of sleeping (a core per daemon while requests wait, for "
+                        "a warm push); 0 = off (default)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--ready-file", help="write /v1/info JSON here once the daemon is ready")
 
@@ -130,7 +134,8 @@ _OVERRIDES = ("socket_path", "runtime_dir", "engine_id", "health_host", "health_
               "health_token_file", "insecure_health",
               "allowed_peer_hosts", "lease_s", "watchdog_s", "log_format", "log_level", "verify", "gpu", "landing_mib",
               "staging_mib",
-              "write_part_mib", "post_slice_mib", "ucx_error_handling_mode", "ucx_sgl", "ipc_push", "poll_hot_yield")
+              "write_part_mib", "post_slice_mib", "ucx_error_handling_mode", "ucx_sgl", "ipc_push", "poll_hot_yield",
+              "poll_spin_s")
 
 
 def _on_off(value: str) -> bool:

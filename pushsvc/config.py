@@ -114,6 +114,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     poll_hot_max_s: float = 0.5
     # Offer the CPU to other waiting processes before each back-to-back pass (sched_yield).
     poll_hot_yield: bool = True
+    # Busy polling: for this long after each worker message or peer event, while a request
+    # is tracked, poll back to back instead of sleeping, so its push runs on a warm CPU
+    # (costs a core per daemon while requests wait). 0 = off (docs/architecture.md,
+    # "Busy polling while requests wait").
+    poll_spin_s: float = 0.0
     drain_timeout_s: float = 10.0
     # Logging and debugging.
     log_format: str = "auto"
@@ -181,6 +186,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             value = getattr(self, name)
             if value <= 0:
                 raise ConfigError(name, f"must be positive, got {value}")
+        if not (math.isfinite(self.poll_spin_s) and self.poll_spin_s >= 0):
+            raise ConfigError("poll_spin_s", f"must be 0 (off) or a positive number of seconds, got {self.poll_spin_s}")
         if self.heartbeat_interval_s >= self.peer_timeout_s:
             # Otherwise a healthy peer would be declared dead between two heartbeats.
             raise ConfigError(
@@ -273,8 +280,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
 
 
-_DURATION_FIELDS = tuple(
-    f.name for f in msgspec.structs.fields(Config) if f.name.endswith("_s")
+_DURATION_FIELDS = tuple(  # poll_spin_s may be 0 (off)
+    f.name for f in msgspec.structs.fields(Config) if f.name.endswith("_s") and f.name != "poll_spin_s"
 )
 _SIZE_FIELDS = ("max_worker_frame", "max_peer_frame", "max_notif_bytes", "max_worker_connections",
                "max_pending_workers")

@@ -78,7 +78,9 @@ class Daemon:
         self.daemon_id = uuid.uuid4().hex
         self.service = PushService(config, engine, self.metrics, self.daemon_id, devmem=devmem)
         self.progress = ProgressLoop(self.service.progress, config.poll_busy_interval_s, config.poll_idle_interval_s,
-                                     os.sched_yield if config.poll_hot_yield else keep_cpu, _pass_timer(self.metrics))
+                                     os.sched_yield if config.poll_hot_yield else keep_cpu, _pass_timer(self.metrics),
+                                     spin_s=config.poll_spin_s, tracking=self.service.tracking,
+                                     spun=self.metrics.progress_spin_seconds.inc)
         self.service.wake = self.progress.wake
         self.workers = WorkerServer(
             path=config.socket_path,

@@ -22,6 +22,14 @@ adapts to what the pass reports:
 waits for a tick. Every pass is timed and handed to ``observe`` with the pace it chose
 (``pushsvc_progress_pass_seconds``): how long the loop was held between two chances to
 see a notification, a worker message or a finished copy.
+
+Busy polling (``spin_s > 0``: ``poll_spin_s``, off by default): for ``spin_s`` after each
+wake, while ``tracking()`` says a request is still tracked, passes that would wait for a
+timer run back to back instead, as hot ones do. Between a request's arrival and its push
+the loop then never sleeps, so the push runs on a warm CPU with warm caches, at the cost
+of a core for as long as requests wait (docs/architecture.md, "Busy polling while
+requests wait"). ``spun`` is told how long each spun pass held the loop, the turn after
+it included (``pushsvc_progress_spin_seconds_total``).
 """
 
 from __future__ import annotations
@@ -51,28 +59,53 @@ def unobserved(pace: Pace, seconds: float) -> None:
     """``observe`` where nothing records the passes."""
 
 
+def nothing_tracked() -> bool:
+    """``tracking`` where busy polling is off."""
+    return False
+
+
+def unrecorded(seconds: float) -> None:
+    """``spun`` where nothing records busy polling."""
+
+
 class ProgressLoop:
     def __init__(self, step: Callable[[float], Pace], busy_interval: float, idle_interval: float,
                  yield_cpu: Callable[[], None] = os.sched_yield,
-                 observe: Callable[[Pace, float], None] = unobserved) -> None:
+                 observe: Callable[[Pace, float], None] = unobserved, spin_s: float = 0.0,
+                 tracking: Callable[[], bool] = nothing_tracked, spun: Callable[[float], None] = unrecorded) -> None:
         self._step = step
-        self.yield_cpu = yield_cpu  # before each hot pass (a no-op where that is off)
+        self.yield_cpu = yield_cpu  # before each hot or spun pass (a no-op where that is off)
         self._observe = observe  # each pass: the pace it chose, its wall-clock seconds
         self.busy_interval = busy_interval
         self.idle_interval = idle_interval
+        self.spin_s = spin_s  # busy polling after each wake; 0: off
+        self._tracking = tracking  # a request is tracked: worth spinning for
+        self._spun = spun  # seconds the loop spun, after each spun pass
+        self._spin_until = 0.0  # time.monotonic() until which it may spin
         self._wakeup: asyncio.Future[None] | None = None
         self._woken = False
 
     def wake(self) -> None:
+        """New work: a pass runs at once (and busy polling, where on, may go on for
+        ``spin_s`` from now)."""
+        if self.spin_s:
+            self._spin_until = time.monotonic() + self.spin_s
+        self._rouse()
+
+    def _rouse(self) -> None:
         self._woken = True
         if self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        spinning_since: float | None = None  # the start of the last pass, if it chose to spin
         while True:
             self._woken = False
             started = time.perf_counter()
+            if spinning_since is not None:
+                self._spun(started - spinning_since)
+                spinning_since = None
             try:
                 pace = self._step(loop.time())
             except Exception:
@@ -85,12 +118,21 @@ class ProgressLoop:
                 self.yield_cpu()  # another process on this CPU runs first, if one waits
                 await asyncio.sleep(0)  # let sockets and timers run, then poll again
                 continue
+            if self._spinning():
+                spinning_since = started  # this pass and the turn of the loop after it
+                self.yield_cpu()
+                await asyncio.sleep(0)
+                continue
             if self._woken:
                 continue
             self._wakeup = loop.create_future()
-            handle = loop.call_later(self.busy_interval if pace is Pace.BUSY else self.idle_interval, self.wake)
+            handle = loop.call_later(self.busy_interval if pace is Pace.BUSY else self.idle_interval, self._rouse)
             try:
                 await self._wakeup
             finally:
                 handle.cancel()
                 self._wakeup = None
+
+    def _spinning(self) -> bool:
+        """Busy polling: on, within ``spin_s`` of the last wake, a request still tracked."""
+        return bool(self.spin_s) and time.monotonic() < self._spin_until and self._tracking()

@@ -437,6 +437,11 @@ class PushService:
                 totals[k] += v
         return totals
 
+    def tracking(self) -> bool:
+        """A request is tracked here (a registration, staged blocks, a WRITE, a D
+        registration): what busy polling spins for."""
+        return any(self.table_sizes().values())
+
     def writes_in_flight(self) -> int:
         return self.sender.writes_in_flight()
 

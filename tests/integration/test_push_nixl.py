@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -66,7 +67,43 @@ def test_push_lands_exact_bytes(spawn, order):
     assert tables_empty(P, D)
     assert P.metric("pushsvc_transfers_total", result="done") == 1
     assert P.metric("pushsvc_transfer_bytes_total") == len(p_blocks) * 2 * LAYERS * BLOCK_LEN
+    assert _spun(P) == _spun(D) == 0  # busy polling is off by default
     _check_timelines(P, D, rid_p, rid_d)
+
+
+def _cpu_seconds(daemon) -> float:
+    """The CPU time the daemon's process has used so far (user and system)."""
+    with open(f"/proc/{daemon.proc.pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _spun(daemon) -> float:
+    return daemon.metric("pushsvc_progress_spin_seconds_total")
+
+
+def test_busy_polling_spins_while_a_request_waits_and_stops_once_it_is_done(spawn):
+    """With ``poll_spin_s`` both daemons poll back to back from D's registration until the
+    push is done (a core each), and go back to sleeping once nothing is tracked."""
+    spin = ("--poll-spin-s", "30")
+    P, D, pw, dw = _pair(spawn, spin, spin)
+    p_blocks, d_blocks = [4, 9, 10], [11, 3, 35]
+    rid = "cmpl-spin-0-1a2b3c4d"
+    _recv(dw, P, rid, d_blocks)
+    time.sleep(0.2)  # the registration reached P (its RegSent woke P's loop)
+    spun, cpu = (_spun(P), _spun(D)), _cpu_seconds(D)
+    time.sleep(0.5)
+    assert _spun(P) - spun[0] > 0.25 and _spun(D) - spun[1] > 0.25  # both spun while it waited ...
+    assert _cpu_seconds(D) - cpu > 0.1  # ... and that was CPU, not a sleep counted as spinning
+    pw.call("ready", request_id=rid, block_ids=[p_blocks])
+    assert dw.wait(rid) == {"type": "RecvDone", "request_id": rid}
+    assert pw.wait(rid) == {"type": "SendDone", "request_id": rid}
+    assert dw.digests() == _expected_d(dict(zip(d_blocks, p_blocks)))
+    assert tables_empty(P, D)
+    spun, cpu = (_spun(P), _spun(D)), _cpu_seconds(D)
+    time.sleep(0.5)
+    assert (_spun(P), _spun(D)) == spun  # nothing tracked: no more spinning, though within poll_spin_s
+    assert _cpu_seconds(D) - cpu < 0.1
 
 
 def _check_timelines(P, D, rid_p, rid_d):

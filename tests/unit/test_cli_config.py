@@ -147,3 +147,10 @@ def test_serve_poll_hot_yield_takes_only_on_or_off(capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit) as exc:
         cli.main(["serve", "--engine-id", "unit", "--poll-hot-yield", "yes", "--print-config"])
     assert exc.value.code == 2 and "expected on or off, got 'yes'" in capsys.readouterr().err
+
+
+def test_serve_poll_spin_flag_overrides_the_environment(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PUSHSVC_POLL_SPIN_S", "3")
+    assert cli.main(["serve", "--engine-id", "unit", "--poll-spin-s", "0.25", "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["poll_spin_s"] == 0.25

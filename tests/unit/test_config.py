@@ -141,6 +141,12 @@ def test_env_lists_and_types() -> None:
     assert cfg.socket_group == "kv"
 
 
+def test_busy_polling_is_off_by_default_and_zero_is_valid() -> None:
+    assert load_config(env=BASE_ENV).poll_spin_s == 0.0
+    assert load_config(env={**BASE_ENV, "PUSHSVC_POLL_SPIN_S": "0"}).poll_spin_s == 0.0
+    assert load_config(env={**BASE_ENV, "PUSHSVC_POLL_SPIN_S": "1.5"}).poll_spin_s == 1.5
+
+
 @pytest.mark.parametrize(("raw", "expected"), [("0", False), ("FALSE", False), ("no", False), ("True", True)])
 def test_env_bool_words(raw: str, expected: bool) -> None:
     assert load_config(env={**BASE_ENV, "PUSHSVC_NIXL_PROGRESS_THREAD": raw}).nixl_progress_thread is expected
@@ -169,6 +175,9 @@ def test_env_bool_words(raw: str, expected: bool) -> None:
         ({"health_port": "80"}, "health_port"),
         ({"post_slice_mib": -1}, "post_slice_mib"),
         ({"post_slice_mib": (1 << 20) + 1}, "post_slice_mib"),
+        ({"poll_spin_s": -0.001}, "poll_spin_s"),
+        ({"poll_spin_s": float("inf")}, "poll_spin_s"),
+        ({"poll_spin_s": float("nan")}, "poll_spin_s"),
         ({"no_such_field": 1}, "no_such_field"),
     ],
 )

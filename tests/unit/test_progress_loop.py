@@ -158,3 +158,85 @@ async def test_the_daemon_exports_each_pass_by_pace(tmp_path) -> None:
         await _until(lambda: passes("idle") >= 2)
     assert passes("hot") == passes("busy") == 0  # every pace's series exists from the start
     assert daemon.metrics.registry.get_sample_value("pushsvc_progress_pass_seconds_sum", {"pace": "idle"}) > 0
+
+
+class Tracked:
+    """``tracking`` for busy polling: whether a request is tracked, set by the test."""
+
+    def __init__(self, value: bool) -> None:
+        self.value = value
+
+    def __call__(self) -> bool:
+        return self.value
+
+
+@pytest.mark.asyncio
+async def test_busy_polling_spins_after_a_wake_while_a_request_is_tracked() -> None:
+    script = Script([Pace.BUSY] * 1000)
+    spun: list[float] = []
+    loop = ProgressLoop(script.step, busy_interval=10.0, idle_interval=10.0, yield_cpu=script.yield_cpu,
+                        spin_s=30.0, tracking=Tracked(True), spun=spun.append)
+    async with _running(loop):
+        await _until(lambda: script.times)
+        loop.wake()
+        await _until(lambda: len(script.times) >= 50)
+    # Busy passes came back to back, not on their 10 s timer, each after the CPU was offered ...
+    assert script.yields >= 48
+    # ... and every spun pass was counted with the time it held the loop.
+    assert len(spun) >= 48 and all(s >= 0 for s in spun)
+
+
+@pytest.mark.asyncio
+async def test_busy_polling_stops_when_nothing_is_tracked() -> None:
+    script = Script([Pace.BUSY] * 1000)
+    tracked = Tracked(True)
+    loop = ProgressLoop(script.step, busy_interval=10.0, idle_interval=10.0, yield_cpu=script.yield_cpu,
+                        spin_s=30.0, tracking=tracked)
+    async with _running(loop):
+        loop.wake()
+        await _until(lambda: len(script.times) >= 20)
+        tracked.value = False
+        await asyncio.sleep(0.01)
+        settled = len(script.times)
+        await asyncio.sleep(0.1)
+        assert len(script.times) == settled  # back on the 10 s busy timer
+
+
+@pytest.mark.asyncio
+async def test_busy_polling_ends_spin_s_after_the_last_wake_and_timers_do_not_renew_it() -> None:
+    script = Script([Pace.BUSY] * 100_000)
+    spun: list[float] = []
+    loop = ProgressLoop(script.step, busy_interval=0.02, idle_interval=10.0, yield_cpu=keep_cpu,
+                        spin_s=0.05, tracking=Tracked(True), spun=spun.append)
+    async with _running(loop):
+        loop.wake()
+        await asyncio.sleep(0.3)
+        spinning_ended = len(spun)
+        ticks = len(script.times)
+        await asyncio.sleep(0.2)
+    assert spinning_ended > 10  # it spun after the wake ...
+    assert len(spun) == spinning_ended  # ... but not after its window, though the busy timer woke it
+    assert 3 <= len(script.times) - ticks <= 15  # every 20 ms from then on
+
+
+@pytest.mark.asyncio
+async def test_busy_polling_off_or_without_a_wake_keeps_the_timers() -> None:
+    for spin_s, woken in ((0.0, True), (30.0, False)):
+        script = Script([Pace.BUSY] * 1000)
+        loop = ProgressLoop(script.step, busy_interval=10.0, idle_interval=10.0, yield_cpu=script.yield_cpu,
+                            spin_s=spin_s, tracking=Tracked(True))
+        async with _running(loop):
+            await _until(lambda: script.times)
+            if woken:
+                loop.wake()
+                await _until(lambda: len(script.times) >= 2)
+            await asyncio.sleep(0.1)
+        assert len(script.times) == (2 if woken else 1), spin_s
+        assert script.yields == 0
+
+
+def test_the_daemon_busy_polls_as_configured(tmp_path) -> None:
+    daemon = Daemon(daemon_config(str(tmp_path / "rt"), "spins", poll_spin_s=2.5), engine=FakeEngine())
+    assert daemon.progress.spin_s == 2.5
+    assert not daemon.service.tracking()  # nothing tracked: nothing to spin for
+    assert daemon.metrics.registry.get_sample_value("pushsvc_progress_spin_seconds_total") == 0
