@@ -81,8 +81,9 @@ class Metrics:
             buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1),
             registry=r)
         self.progress_spin_seconds = Counter(
-            "pushsvc_progress_spin_seconds", "Time the progress loop busy-polled (poll_spin_s) while requests were "
-            "tracked: about the CPU it cost", registry=r)
+            "pushsvc_progress_spin_seconds", "Wall-clock time the progress loop busy-polled (poll_spin_s) while "
+            "requests were tracked: the most CPU it cost (less where it yielded its CPU to other processes)",
+            registry=r)
         self.engine_slow_calls = Counter(
             "pushsvc_engine_slow_calls", "NIXL calls that held the event loop for 0.25 s or more, by call", ["call"],
             registry=r)

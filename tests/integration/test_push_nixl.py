@@ -85,12 +85,17 @@ def _spun(daemon) -> float:
 def test_busy_polling_spins_while_a_request_waits_and_stops_once_it_is_done(spawn):
     """With ``poll_spin_s`` both daemons poll back to back from D's registration until the
     push is done (a core each), and go back to sleeping once nothing is tracked."""
-    spin = ("--poll-spin-s", "30")
+    # Without the yield before each pass, so that on a loaded host the spinning loop takes its
+    # share of a CPU and the CPU check below means it spun (with it, the loop gives its turn away).
+    spin = ("--poll-spin-s", "30", "--poll-hot-yield", "off")
     P, D, pw, dw = _pair(spawn, spin, spin)
     p_blocks, d_blocks = [4, 9, 10], [11, 3, 35]
     rid = "cmpl-spin-0-1a2b3c4d"
     _recv(dw, P, rid, d_blocks)
-    time.sleep(0.2)  # the registration reached P (its RegSent woke P's loop)
+    deadline = time.monotonic() + 20
+    while not P.live_info()["tables"]["p_registrations"]:  # the registration reached P (its RegSent woke P)
+        assert time.monotonic() < deadline, "D's registration never reached P"
+        time.sleep(0.01)
     spun, cpu = (_spun(P), _spun(D)), _cpu_seconds(D)
     time.sleep(0.5)
     assert _spun(P) - spun[0] > 0.25 and _spun(D) - spun[1] > 0.25  # both spun while it waited ...
