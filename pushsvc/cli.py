@@ -79,7 +79,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--poll-spin-s", dest="poll_spin_s", type=float, metavar="SECONDS",
                    help="busy polling: for this long after each worker message or peer event, while a request is "
                         "tracked, poll back to back instead of sleeping (a core per daemon while requests wait, for "
-                        "a warm push); 0 = off (default)")
+                        "a daemon awake when the push comes); 0 = off (default)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--ready-file", help="write /v1/info JSON here once the daemon is ready")
 

@@ -115,9 +115,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Offer the CPU to other waiting processes before each back-to-back pass (sched_yield).
     poll_hot_yield: bool = True
     # Busy polling: for this long after each worker message or peer event, while a request
-    # is tracked, poll back to back instead of sleeping, so its push runs on a warm CPU
-    # (costs a core per daemon while requests wait). 0 = off (docs/architecture.md,
-    # "Busy polling while requests wait").
+    # is tracked, poll back to back instead of sleeping, so the daemon is awake when its
+    # push comes (costs a core per daemon while requests wait). 0 = off
+    # (docs/architecture.md, "Busy polling while requests wait").
     poll_spin_s: float = 0.0
     drain_timeout_s: float = 10.0
     # Logging and debugging.

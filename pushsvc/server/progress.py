@@ -26,9 +26,9 @@ see a notification, a worker message or a finished copy.
 Busy polling (``spin_s > 0``: ``poll_spin_s``, off by default): for ``spin_s`` after each
 wake, while ``tracking()`` says a request is still tracked, passes that would wait for a
 timer run back to back instead, as hot ones do. Between a request's arrival and its push
-the loop then never sleeps, so the push runs on a warm CPU with warm caches, at the cost
-of a core for as long as requests wait (docs/architecture.md, "Busy polling while
-requests wait"). ``spun`` is told how long each spun pass held the loop, the turn after
+the loop then never sleeps, and the push finds it awake and its CPU too, at the cost of
+a core for as long as requests wait (docs/architecture.md, "Busy polling while requests
+wait"). ``spun`` is told how long each spun pass held the loop, the turn after
 it included (``pushsvc_progress_spin_seconds_total``).
 """
 
