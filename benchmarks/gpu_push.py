@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from daemon_readings import PHASES, hist, hot_passes, phases, timeline_medians
+from procstats import CpuMeter
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "connector"), str(ROOT / "tests" / "gpu"), str(ROOT / "tests" / "integration")]
@@ -230,69 +232,6 @@ def _registered(p_daemon, d: "_Proc", rid: str, d_ids: list[int]) -> None:
     time.sleep(0.002)
 
 
-def _hist(daemon, name: str) -> tuple[float, float]:
-    return daemon.metric(f"{name}_sum"), daemon.metric(f"{name}_count")
-
-
-_PHASES = (("prefill", "send_ready"), ("prefill", "write_posted"), ("decode", "write_announced"),
-           ("decode", "part_landed"), ("decode", "completion"), ("decode", "copies_done"), ("decode", "recv_done"),
-           ("prefill", "write_settled"))
-
-
-def phases(p_log: str, d_log: str) -> dict[str, dict[str, float]]:
-    """Per request, ms from P's ``send_ready`` to each daemon event (debug logs, one
-    host's wall clock): where the time of a push goes. ``part_landed`` is the last part."""
-    from datetime import datetime
-
-    seen: dict[str, dict[str, float]] = {}
-    for side, text in (("prefill", p_log), ("decode", d_log)):
-        for line in text.splitlines():
-            if not line.startswith("{"):
-                continue
-            e = json.loads(line)
-            if (side, e.get("event")) in _PHASES and "request_id" in e:
-                seen.setdefault(e["request_id"], {})[e["event"]] = datetime.fromisoformat(e["timestamp"]).timestamp()
-    out = {}
-    for rid, ev in seen.items():
-        if "send_ready" in ev:
-            out[rid] = {k: round((v - ev["send_ready"]) * 1e3, 3) for k, v in ev.items()}
-    return out
-
-
-def hot_passes(daemon) -> dict[str, float]:
-    """The daemon's hot progress passes so far (``pushsvc_progress_pass_seconds``): how
-    many, and how many held its loop over 0.5 ms and over 2.5 ms."""
-    name = "pushsvc_progress_pass_seconds"
-    total = daemon.metric(f"{name}_count", pace="hot")
-    return {"passes": total,
-            "over_0.5ms": total - daemon.metric(f"{name}_bucket", pace="hot", le="0.0005"),
-            "over_2.5ms": total - daemon.metric(f"{name}_bucket", pace="hot", le="0.0025")}
-
-
-def timeline_medians(p_daemon, d_daemon, rids: list[str]) -> dict[str, float]:
-    """Median ms from P's ``send_ready`` to every event of both daemons' request timelines
-    (``/v1/requests``, kept whatever the log level) for ``rids``: where a push's time goes.
-    Both daemons run on this host, so their wall clocks agree to a few microseconds."""
-    from datetime import datetime
-
-    want, at = set(rids), {}
-    for side, daemon in (("P", p_daemon), ("D", d_daemon)):
-        status, body = daemon.get(f"/v1/requests?limit={min(10000, 2 * len(rids) + 100)}")
-        if status != 200:
-            raise RuntimeError(f"{side}'s /v1/requests answered {status}")
-        for t in json.loads(body)["timelines"]:
-            if t["request_id"] in want:
-                start = datetime.fromisoformat(t["start"]).timestamp() * 1e3
-                for name, ms in t["events_ms"].items():
-                    at.setdefault(t["request_id"], {})[f"{side} {name}"] = start + ms
-    offsets: dict[str, list[float]] = {}
-    for events in at.values():
-        if "P send_ready" in events:
-            for name, t in events.items():
-                offsets.setdefault(name, []).append(t - events["P send_ready"])
-    return dict(sorted(((k, round(statistics.median(v), 3)) for k, v in offsets.items()), key=lambda kv: kv[1]))
-
-
 def _ipc_ready(d_daemon, timeout: float = 20.0) -> None:
     """Wait until P told D's daemon it mapped D's worker KV (same-host push from then on)."""
     deadline = time.monotonic() + timeout
@@ -300,13 +239,6 @@ def _ipc_ready(d_daemon, timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError("P never mapped D's KV (same-host push)")
         time.sleep(0.01)
-
-
-def _cpu_seconds(daemon) -> float:
-    """CPU time (user and system) the daemon's process has used so far."""
-    with open(f"/proc/{daemon.proc.pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int, small_reps: int,
@@ -329,7 +261,8 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     d = _Proc(d_daemon, "consumer", total_blocks, 2)
     out: dict = {"push": {}, "exposed": {}, "parts": {}, "timelines": {}}
     seq = 0
-    started, cpu0 = time.monotonic(), {"P": _cpu_seconds(p_daemon), "D": _cpu_seconds(d_daemon)}
+    meter = CpuMeter({"P": p_daemon.proc.pid, "D": d_daemon.proc.pid})
+    started, cpu0 = time.monotonic(), meter.snapshot()
 
     def one(n: int, p_ids: list[int], d_ids: list[int]) -> tuple[float, float]:
         nonlocal seq
@@ -350,14 +283,14 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     for pattern in patterns:
         for n in sizes:
             p_ids, d_ids = _block_sets(n, total_blocks, pattern, n + 7)
-            exp0, parts0 = _hist(d_daemon, "pushsvc_landing_exposed_seconds"), p_daemon.metric(
+            exp0, parts0 = hist(d_daemon, "pushsvc_landing_exposed_seconds"), p_daemon.metric(
                 "pushsvc_write_parts_total")
             one(n, p_ids, d_ids)  # warm-up
-            exp0, parts0 = _hist(d_daemon, "pushsvc_landing_exposed_seconds"), p_daemon.metric(
+            exp0, parts0 = hist(d_daemon, "pushsvc_landing_exposed_seconds"), p_daemon.metric(
                 "pushsvc_write_parts_total")
             first = seq
             times = [one(n, p_ids, d_ids)[0] for _ in range(repeats)]
-            exp1, parts1 = _hist(d_daemon, "pushsvc_landing_exposed_seconds"), p_daemon.metric(
+            exp1, parts1 = hist(d_daemon, "pushsvc_landing_exposed_seconds"), p_daemon.metric(
                 "pushsvc_write_parts_total")
             out["push"][(pattern, n)] = statistics.median(times)
             out["exposed"][(pattern, n)] = (exp1[0] - exp0[0]) / max(1.0, exp1[1] - exp0[1])
@@ -379,8 +312,8 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     print("  hot progress passes (all, over 0.5 ms, over 2.5 ms): " + "; ".join(
         f"{side} {v['passes']:.0f}, {v['over_0.5ms']:.0f}, {v['over_2.5ms']:.0f}" for side, v in out["hot_passes"].items()),
         flush=True)
-    wall = time.monotonic() - started
-    out["daemon_cpu"] = {side: {"cpu_s": _cpu_seconds(daemon) - cpu0[side], "wall_s": wall,
+    wall, used = time.monotonic() - started, CpuMeter.delta(cpu0, meter.snapshot())
+    out["daemon_cpu"] = {side: {"cpu_s": used.get(f"{side}/root", 0.0), "wall_s": wall,
                                 "spun_s": daemon.metric("pushsvc_progress_spin_seconds_total")}
                          for side, daemon in (("P", p_daemon), ("D", d_daemon))}
     print("  daemons' CPU over the run: " + "; ".join(
@@ -544,7 +477,7 @@ def main() -> None:
             print(rid, " ".join(f"{k}={v}" for k, v in sorted(ev.items(), key=lambda kv: kv[1])))
         small = [push["phases"][r] for r in push["small_rids"] if r in push["phases"]]
         print(f"small request, median ms after P's send_ready over {len(small)}:")
-        for _, event in _PHASES:
+        for _, event in PHASES:
             got = [ev[event] for ev in small if event in ev]
             if got:
                 print(f"  {event:16s} {statistics.median(got):7.3f}")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import time
 
+import psutil
 import pytest
 
 from kvworker import pattern
@@ -73,9 +73,8 @@ def test_push_lands_exact_bytes(spawn, order):
 
 def _cpu_seconds(daemon) -> float:
     """The CPU time the daemon's process has used so far (user and system)."""
-    with open(f"/proc/{daemon.proc.pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(daemon.proc.pid).cpu_times()
+    return times.user + times.system
 
 
 def _spun(daemon) -> float:
