@@ -330,54 +330,61 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     return out
 
 
-def layerwise_compare(sizes: list[int], total_blocks: int, repeats: int, sleep_cycles: int) -> dict:
+def layerwise_compare(sizes: list[int], total_blocks: int, repeats: int, sleep_cycles: int,
+                      paths: tuple[str, ...] = ("landing", "same_host"), spin_s: float = 0.0) -> dict:
     """P's worker runs a forward pass of 32 layers (each keeps the GPU busy
     ``sleep_cycles``, then writes its layer's KV of the request's blocks); D's worker
     waits for the KV. Whole-request push: the pass, then ``SendReady``. Layer-wise push:
-    ``SendStart`` before the pass, each layer posted once its event is done. Timed on
-    the host's clock from the GPU finishing the pass to D's worker seeing ``RecvDone``:
-    what of the transfer is left after the prefill."""
+    ``SendStart`` before the pass; into D's landing buffer each layer is posted once its
+    event is done, into a same-host D (``ipc_push``) the request is copied whole once the
+    last one is. Timed on the host's clock from the GPU finishing the pass to D's worker
+    seeing ``RecvDone``: what of the transfer is left after the prefill. Keys: (mode,
+    path, blocks), and (mode, path, "parts") and (mode, path, "copies")."""
     from procs import start_daemon
 
     out: dict = {}
     landing_mib = (total_blocks * BLOCK_BYTES >> 20) + 64
-    for mode in ("whole", "layerwise"):
-        base = Path(tempfile.mkdtemp(prefix=f"psbench-gpu-{mode}-"))
-        p_daemon = start_daemon(base, "prefill", "--gpu", "on", timeout=120)
-        d_daemon = start_daemon(base, "decode", "--gpu", "on", "--landing-mib", str(landing_mib), timeout=120)
-        p = _Proc(p_daemon, "producer", total_blocks, 1, layerwise=mode == "layerwise")
-        d = _Proc(d_daemon, "consumer", total_blocks, 2)
-        seq = 0
-        try:
-            for n in sizes:
-                p_ids, d_ids = _block_sets(n, total_blocks, "contiguous", n + 7)
-                after = []
-                for rep in range(repeats + 1):
-                    rid, seq = f"{mode}-{n}-{rep}", seq + 1
-                    _registered(p_daemon, d, rid, d_ids)
-                    pass_args = {"blocks": p_ids, "seed": 100 + seq, "sleep_cycles": sleep_cycles}
-                    if mode == "layerwise":
-                        done = p.call("forward", rid=rid, step=seq, sync=True, **pass_args)["t"]
-                    else:
-                        done = p.call("compute", **pass_args)["t"]
-                        p.call("send", requests=[{"rid": rid, "blocks": p_ids}])
-                    fin = d.reply()["finished"][rid]
-                    if fin["errors"]:
-                        raise RuntimeError(f"{rid}: load failed")
-                    if mode == "layerwise":
-                        p.call("finished", rids=[rid])
-                    p.call("wait", rids=[rid], timeout=60)
-                    if rep:  # the first is a warm-up
-                        after.append(fin["t"] - done)
-                out[(mode, n)] = statistics.median(after)
-                print(f"  {mode:9s} {n:5d} blocks: RecvDone {out[(mode, n)] * 1e3:8.3f} ms after the pass's end "
-                      f"(p90 {np.percentile(after, 90) * 1e3:.3f})", flush=True)
-            out[(mode, "parts")] = p_daemon.metric("pushsvc_write_parts_total")
-        finally:
-            for w in (p, d):
-                w.w.close()
-            for daemon in (p_daemon, d_daemon):
-                daemon.stop()
+    for path in paths:
+        ipc = "auto" if path == "same_host" else "off"
+        for mode in ("whole", "layerwise"):
+            base = Path(tempfile.mkdtemp(prefix=f"psbench-gpu-{mode}-"))
+            common = ("--gpu", "on", "--ipc-push", ipc, "--poll-spin-s", str(spin_s))
+            p_daemon = start_daemon(base, "prefill", *common, timeout=120)
+            d_daemon = start_daemon(base, "decode", *common, "--landing-mib", str(landing_mib), timeout=120)
+            p = _Proc(p_daemon, "producer", total_blocks, 1, layerwise=mode == "layerwise")
+            d = _Proc(d_daemon, "consumer", total_blocks, 2)
+            seq = 0
+            try:
+                for n in sizes:
+                    p_ids, d_ids = _block_sets(n, total_blocks, "contiguous", n + 7)
+                    after = []
+                    for rep in range(repeats + 1):
+                        rid, seq = f"{mode}-{n}-{rep}", seq + 1
+                        _registered(p_daemon, d, rid, d_ids)
+                        pass_args = {"blocks": p_ids, "seed": 100 + seq, "sleep_cycles": sleep_cycles}
+                        if mode == "layerwise":
+                            done = p.call("forward", rid=rid, step=seq, sync=True, **pass_args)["t"]
+                        else:
+                            done = p.call("compute", **pass_args)["t"]
+                            p.call("send", requests=[{"rid": rid, "blocks": p_ids}])
+                        fin = d.reply()["finished"][rid]
+                        if fin["errors"]:
+                            raise RuntimeError(f"{rid}: load failed")
+                        if mode == "layerwise":
+                            p.call("finished", rids=[rid])
+                        p.call("wait", rids=[rid], timeout=60)
+                        if rep:  # the first is a warm-up (and, same-host, the push that makes P map D's KV)
+                            after.append(fin["t"] - done)
+                    out[(mode, path, n)] = statistics.median(after)
+                    print(f"  {path:9s} {mode:9s} {n:5d} blocks: RecvDone {out[(mode, path, n)] * 1e3:8.3f} ms "
+                          f"after the pass's end (p90 {np.percentile(after, 90) * 1e3:.3f})", flush=True)
+                out[(mode, path, "parts")] = p_daemon.metric("pushsvc_write_parts_total")
+                out[(mode, path, "copies")] = p_daemon.metric("pushsvc_ipc_copies_total")
+            finally:
+                for w in (p, d):
+                    w.w.close()
+                for daemon in (p_daemon, d_daemon):
+                    daemon.stop()
     return out
 
 
@@ -439,7 +446,7 @@ def main() -> None:
                     help="--layerwise: GPU cycles each layer is kept busy (~1 ms at 2 GHz)")
     ap.add_argument("--ipc", default="both", choices=["both", "off"],
                     help="both: the daemon push over NIXL into D's landing buffer and the same-host push "
-                         "(ipc_push), side by side; off: only the former")
+                         "(ipc_push), side by side (with --layerwise too); off: only the former")
     ap.add_argument("--p-gpu", type=int, default=None, help="P's GPU (default 0)")
     ap.add_argument("--d-gpu", type=int, default=None, help="D's GPU (default 1 where two are visible, else 0)")
     args = ap.parse_args()
@@ -456,16 +463,25 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.layerwise:
-        got = layerwise_compare(sizes, total, args.repeats, args.layer_cycles)
-        rows = [{"blocks": n, "mib": n * BLOCK_BYTES >> 20, "whole_ms": got[("whole", n)] * 1e3,
-                 "layerwise_ms": got[("layerwise", n)] * 1e3} for n in sizes]
-        print("\n| blocks | MiB | whole-request push: RecvDone after the pass, ms | layer-wise push, ms |")
-        print("|---:|---:|---:|---:|")
+        paths = ("landing", "same_host") if args.ipc == "both" else ("landing",)
+        got = layerwise_compare(sizes, total, args.repeats, args.layer_cycles, paths, args.poll_spin_s)
+        rows = [{"blocks": n, "mib": n * BLOCK_BYTES >> 20,
+                 **{f"{path}_{mode}_ms": got[(mode, path, n)] * 1e3 for path in paths
+                    for mode in ("whole", "layerwise")}} for n in sizes]
+        heads = [f"{path.replace('_', '-')}, {mode}" for path in paths for mode in ("whole", "layerwise")]
+        print("\nRecvDone after the pass's end, ms (medians)")
+        print("| blocks | MiB | " + " | ".join(heads) + " |")
+        print("|---:|---:|" + "---:|" * len(heads))
         for r in rows:
-            print(f"| {r['blocks']} | {r['mib']} | {r['whole_ms']:.3f} | {r['layerwise_ms']:.3f} |")
+            cells = [f"{r[f'{path}_{mode}_ms']:.3f}" for path in paths for mode in ("whole", "layerwise")]
+            print(f"| {r['blocks']} | {r['mib']} | " + " | ".join(cells) + " |")
         (out_dir / "gpu_layerwise.json").write_text(json.dumps(
-            {"layer_cycles": args.layer_cycles, "repeats": args.repeats, "rows": rows,
-             "write_parts": {"whole": got[("whole", "parts")], "layerwise": got[("layerwise", "parts")]}}, indent=2))
+            {"layer_cycles": args.layer_cycles, "repeats": args.repeats, "poll_spin_s": args.poll_spin_s,
+             "rows": rows,
+             "write_parts": {f"{path}_{mode}": got[(mode, path, "parts")] for path in paths
+                             for mode in ("whole", "layerwise")},
+             "ipc_copies": {f"{path}_{mode}": got[(mode, path, "copies")] for path in paths
+                            for mode in ("whole", "layerwise")}}, indent=2))
         return
     if args.phases:
         push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug",

@@ -59,6 +59,7 @@ class FakeEvent:
 
     def __init__(self) -> None:
         self.pending = False  # recorded, its work not finished
+        self.faulted = False  # the worker's context failed: a query raises
         self.opened = 0  # open handles in the daemon
 
     def record(self) -> None:
@@ -66,6 +67,9 @@ class FakeEvent:
 
     def finish(self) -> None:
         self.pending = False
+
+    def fault(self) -> None:
+        self.faulted = True
 
 
 class _OpenedEvent:
@@ -75,6 +79,8 @@ class _OpenedEvent:
 
     def done(self) -> bool:
         assert self._event is not None, "queried after close"
+        if self._event.faulted:
+            raise DeviceError("cuEventQuery failed: CUDA_ERROR_LAUNCH_FAILED (719)")
         return not self._event.pending
 
     def close(self) -> None:

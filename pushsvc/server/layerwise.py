@@ -9,7 +9,8 @@ on its ``Write``: the whole WRITE planned once, posted piece by piece, without a
 notification, as its source regions become final. Once every piece is posted and has
 landed, D hears ``WriteStarted`` (with the digests in verify mode) and the completion.
 Once the step ended, every request of it is complete and the step is forgotten (a
-request matched later is pushed whole).
+request matched later is pushed whole). A same-host copy has no pieces: the Sender holds
+its match until ``final`` says every layer of the request is final, then copies it whole.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ MAX_OPEN_STEPS = 16  # per rank: steps whose StepSaved has not come (vLLM runs o
 MAX_STEP_REQUESTS = 65536  # requests one step may start
 
 Settle = Callable[[Rank, Write, list[XferState]], None]
+# Requests whose layers are now all final (failure None), or never will be (kind, reason).
+Final = Callable[[Rank, list[str], tuple[str, str] | None], None]
 
 
 @dataclass(eq=False)
@@ -61,14 +64,15 @@ class _Saved:
 
 class Layerwise:
     def __init__(self, *, metrics: Metrics, timelines: Timelines, peers: PeerLink, verify: bool,
-                 writes: Callable[[Rank], dict[str, Write]], settle: Settle, wake: Callable[[], None],
-                 now: Callable[[], float]) -> None:
+                 writes: Callable[[Rank], dict[str, Write]], settle: Settle, final: Final,
+                 wake: Callable[[], None], now: Callable[[], float]) -> None:
         self._metrics = metrics
         self._timelines = timelines
         self._peers = peers
         self._verify = verify
         self._writes = writes  # the rank's posted WRITEs, by P's request id
         self._settle = settle  # release what settled of a WRITE; settle it once nothing is left
+        self._final = final  # a same-host copy waits for every layer of its request (Sender.waiting)
         self._wake = wake
         self._now = now
         self._maps: dict[Rank, LayerMap] = {}
@@ -166,13 +170,17 @@ class Layerwise:
             write = writes.get(rid)
             if write is not None and write.layered is not None:
                 self.stop(rank, write, ("layer_event", f"the worker's layer event failed: {error}"))
+        if current is not None:
+            self._final(rank, list(current.requests), ("layer_event", f"the worker's layer event failed: {error}"))
 
     def _apply_layer(self, rank: Rank, step: int, layer: int) -> None:
         current = self._steps.get(rank, {}).get(step)
         if current is not None:  # else a step none of whose requests is layer-wise any more
             changed = [rid for rid, progress in current.requests.items() if progress.save(layer)]
-            self._prefilled(rank, [rid for rid, progress in current.requests.items() if progress.complete])
+            complete = [rid for rid, progress in current.requests.items() if progress.complete]
+            self._prefilled(rank, complete)
             self._post_final(rank, changed)
+            self._final(rank, complete, None)
 
     def _apply_step(self, rank: Rank, step: int) -> None:
         current = self._steps.get(rank, {}).pop(step, None)
@@ -180,6 +188,7 @@ class Layerwise:
             changed = [rid for rid, progress in current.requests.items() if progress.finish()]
             self._prefilled(rank, list(current.requests))
             self._post_final(rank, changed)
+            self._final(rank, list(current.requests), None)
 
     def busy(self, rank: Rank) -> bool:
         """A GPU worker's saves wait for their events."""

@@ -74,6 +74,9 @@ class _RankSends:
     # Staged requests whose registration is on its way (``RegSent``): P's request id ->
     # until when to poll hot for it. Set once per request; dropped once matched or past.
     expected: dict[str, float] = field(default_factory=dict)
+    # Layer-wise requests matched with a same-host copy while some of their layers are not
+    # final: P's request id -> (match, D's peer). Copied once ``Layerwise`` says they are.
+    waiting: dict[str, tuple[Match, Peer]] = field(default_factory=dict)
 
 
 class Sender:
@@ -91,8 +94,8 @@ class Sender:
         self._ranks: dict[Rank, _RankSends] = {}
         self.staging = Staging(metrics=metrics, current=self._current, ready=self._post, failed=self._fail_push)
         self.layerwise = Layerwise(metrics=metrics, timelines=timelines, peers=peers, verify=settings.verify,
-                                   writes=lambda rank: self._of(rank).writes, settle=self._settle_parts, wake=wake,
-                                   now=self._now)
+                                   writes=lambda rank: self._of(rank).writes, settle=self._settle_parts,
+                                   final=self._layers_final, wake=wake, now=self._now)
         self.intake = Intake(engine_id=settings.engine_id, max_notif_bytes=settings.max_notif_bytes, peers=peers,
                              metrics=metrics, outbox=outbox, table=lambda rank: self._of(rank).table,
                              tables=lambda: [(rank, state.table) for rank, state in self._ranks.items()],
@@ -184,6 +187,10 @@ class Sender:
             log.info("evicted", request_id=rid, rank=rank.number)
             self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason="cancelled"))
             return
+        waiting = state.waiting.pop(rid, None)
+        if waiting is not None:  # its same-host copy never launched: nothing to wait for
+            self._fail_push(rank, *waiting, "cancelled", "P's request ended before its last layer was final")
+            return
         write = state.writes.get(rid)
         if write is not None and write.waiting_for_layers:
             # Layers still to come will never be final for D: stop, fail once posted ones settled.
@@ -197,6 +204,8 @@ class Sender:
             self.evict(rank, rid)
         for write in [w for w in state.writes.values() if w.waiting_for_layers]:
             self.layerwise.stop(rank, write, ("worker_gone", "P's worker left before the last layer was final"))
+        for rid in list(state.waiting):
+            self._fail_push(rank, *state.waiting.pop(rid), "worker_gone", "P's worker left before the last layer was final")
         self.layerwise.forget(rank)
 
     # ------------------------------------------------------------------ the WRITE
@@ -237,11 +246,17 @@ class Sender:
 
     def _copy_into(self, rank: Rank, match: Match, peer: Peer) -> None:
         """Same-host push: P's copies into D's mapped KV (``server/ipcpush.py``), then the
-        completion notification once they finished (``poll``)."""
+        completion notification once they finished (``poll``). A layer-wise request whose
+        layers are not all final waits (``waiting``) and is copied whole once they are."""
         sender = match.registration.sender
-        plan, kind, reason = plan_ipc(rank, match, peer.agents.get(sender), peer.heard_at, self._settings.verify)
+        layered = self.layerwise.pending(rank, match.request_id) is not None
+        plan, kind, reason = plan_ipc(rank, match, peer.agents.get(sender), peer.heard_at,
+                                      self._settings.verify and not layered)
         if plan is None:
             self._fail_push(rank, match, peer, kind, reason)
+            return
+        if layered:  # checked now, so what cannot be copied fails at once; launched by _layers_final
+            self._of(rank).waiting[match.request_id] = (match, peer)
             return
         self._timelines.mark(rank, SEND, match.request_id, "write_planned")
         self._peers.send(peer, plan.announce)
@@ -251,6 +266,26 @@ class Sender:
         else:
             self._metrics.ipc_copies.inc()
             self._posted(rank, write, peer, 0)  # no NIXL part: copies on the device
+
+    def _layers_final(self, rank: Rank, rids: list[str], failure: tuple[str, str] | None) -> None:
+        """Every layer of ``rids`` is final (``failure`` None), or never will be: launch the
+        same-host copies that waited for it, or fail them."""
+        state = self._ranks.get(rank)
+        if state is None or not state.waiting:
+            return
+        for rid in rids:
+            waiting = state.waiting.pop(rid, None)
+            if waiting is None:
+                continue
+            match, peer = waiting
+            if not self._current(rank, match):
+                continue  # cancelled or expired meanwhile: already final
+            if failure is not None:
+                self._fail_push(rank, match, peer, *failure)
+            elif not peer.alive:
+                self._fail_push(rank, match, peer, "peer_lost", "D's daemon went away before the last layer was final")
+            else:
+                self._copy_into(rank, match, peer)
 
     def _post(self, rank: Rank, match: Match, peer: Peer, slot_ids: list[list[int]] | None, staged: str) -> None:
         """Plan and post ``match``'s WRITE: from the worker's blocks, or (``staged``: the
@@ -424,7 +459,8 @@ class Sender:
             if write is not None:
                 write.cancelled = True  # acknowledged in _settle
                 return
-            # Matched, handshake still running: nothing posted yet.
+            # Matched, handshake still running or a same-host copy waiting for its layers: nothing posted yet.
+            state.waiting.pop(match.request_id, None)
             self._fail_push(rank, match, None, "cancelled", "D withdrew the registration", notify_remote=False)
         self._peers.send(peer, pp.PushCancelled(request_id=msg.request_id, rank=msg.rank, source_rank=msg.source_rank))
 

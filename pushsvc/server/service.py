@@ -167,8 +167,8 @@ class PushService:
         rank.memory = memory = map_kv(msg, fds, agent=rank.agent, role=rank.role, devmem=self.devmem,
                                       settings=self._memory_settings)
         rank.remotes.layers = keys(r.layer_names for r in msg.regions)  # used by a pipeline stage's rank
-        if (rank.role == "producer" and self._host and memory.vram is not None and rank.stages == 1
-                and not memory.layer_events):  # copies into same-host Ds' KV itself
+        if rank.role == "producer" and self._host and memory.vram is not None and rank.stages == 1:
+            # copies into same-host Ds' KV itself (a layer-wise request once its last layer is final)
             rank.remotes.ipc = IpcTargets(memory.vram, memory.layout, self._host, self.metrics.failures)
         slots = memory.landing.geometry.slots if memory.landing is not None else 0
         if slots:

@@ -11,8 +11,8 @@ import time
 
 import pytest
 from conftest import Spawner
-from test_gpu_push import (D_BLOCKS, LAYERS, P_BLOCKS, _check_given_back, _free_gpu_memory, _kill_under_load, _plan,
-                           _push_and_check, _recv, _send, _wait)
+from test_gpu_push import (D_BLOCKS, LAYERS, P_BLOCKS, _check_given_back, _forward_and_check, _free_gpu_memory,
+                           _kill_under_load, _plan, _push_and_check, _recv, _send, _wait)
 
 IPC = ("--ipc-push", "auto")
 _MEETINGS = itertools.count()
@@ -50,6 +50,27 @@ def test_same_host_push_copies_exactly_into_ds_blocks(spawn: Spawner, layout: st
     assert d_daemon.metric("pushsvc_verify_total", result="identical") == 7  # "meet" and the six
     info = p_daemon.live_info()
     assert info["tables"]["inflight"] == 0 and info["nixl_handles"]["xfers"] == 0, info
+
+
+def test_a_layer_wise_request_is_copied_into_ds_kv_once_its_kernels_ran(spawn: Spawner) -> None:
+    """P's worker queues a forward pass whose layers each keep the GPU busy ~2 ms before
+    writing their final KV, records each layer's event and says LayerSaved at once. P has
+    mapped D's KV: it copies the request whole once the last layer's event is done, so
+    D's blocks hold P's final KV (a copy launched early would carry the old bytes), in
+    one copy, without a WRITE, verified."""
+    p_daemon = spawn.daemon("prefill", *IPC, "--verify")
+    d_daemon = spawn.daemon("decode", *IPC, "--landing-mib", "512", "--verify")
+    p = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=P_BLOCKS, seed=43, layerwise=1)
+    d = spawn.worker(d_daemon, "consumer", layout="flash", layers=LAYERS, blocks=D_BLOCKS, seed=44)
+    _meet(p, d, p_daemon, d_daemon)
+    parts = p_daemon.metric("pushsvc_write_parts_total")
+    _forward_and_check(p, d, p_daemon, "lw-ipc", [5, 9, 17, 3], [100, 7, 64, 2], seed=700)
+    assert d_daemon.metric("pushsvc_verify_total", result="identical") == 2  # the meeting and this one
+    assert p_daemon.metric("pushsvc_ipc_copies_total") == 1
+    assert p_daemon.metric("pushsvc_write_parts_total") == parts, "no NIXL WRITE"
+    p.call("finished", rids=["lw-ipc"])
+    _wait(p, ["lw-ipc"])
+    assert p_daemon.metric("pushsvc_transfers_total", result="done") == 2
 
 
 def test_contiguous_blocks_land_exactly(spawn: Spawner) -> None:

@@ -90,6 +90,25 @@ def test_pushed_bytes_land_at_the_mapped_blocks_only(spawn: Spawner, layout: str
     assert d_daemon.metric("pushsvc_landing_slots", state="used") == 0
 
 
+def _forward_and_check(p, d, p_daemon, rid: str, p_blocks: list[int], d_blocks: list[int], seed: int) -> None:
+    """D registers ``rid``; once P's daemon has the PUSH_REG, P's worker queues a forward
+    pass ending its prefill, each layer keeping the GPU busy ~2 ms before writing its final
+    KV (layer events recorded, LayerSaved said at once). D's blocks then hold P's final
+    KV, and no other block of D changed."""
+    d.call("snapshot")
+    regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
+    _recv(d, p_daemon, [(rid, d_blocks)])
+    deadline = time.monotonic() + 10
+    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") <= regs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out = p.call("forward", rid=rid, blocks=p_blocks, step=1, seed=seed, sleep_cycles=4_000_000)
+    print(f"forward pass queued in {out['queued_s'] * 1e3:.1f} ms")
+    recvd = _wait(d, [rid])
+    assert not recvd[rid]["errors"], recvd
+    assert d.call("digests", blocks=d_blocks)["digests"] == p.call("digests", blocks=p_blocks)["digests"]
+    assert sorted(d.call("changed")["blocks"]) == sorted(d_blocks)
+
+
 def test_layerwise_push_posts_each_layer_once_its_kernels_ran(spawn: Spawner) -> None:
     """P's worker queues a forward pass whose layers each keep the GPU busy ~2 ms before
     writing their final KV, records each layer's event and says LayerSaved at once (the
@@ -101,18 +120,7 @@ def test_layerwise_push_posts_each_layer_once_its_kernels_ran(spawn: Spawner) ->
     d_daemon = spawn.daemon("decode", "--landing-mib", "512", "--verify")
     p = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=P_BLOCKS, seed=11, layerwise=1)
     d = spawn.worker(d_daemon, "consumer", layout="flash", layers=LAYERS, blocks=D_BLOCKS, seed=12)
-    p_blocks, d_blocks = [5, 9, 17, 3], [100, 7, 64, 2]
-    d.call("snapshot")
-    _recv(d, p_daemon, [("lw-0", d_blocks)])
-    deadline = time.monotonic() + 10
-    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    out = p.call("forward", rid="lw-0", blocks=p_blocks, step=1, seed=900, sleep_cycles=4_000_000)
-    print(f"forward pass queued in {out['queued_s'] * 1e3:.1f} ms")
-    recvd = _wait(d, ["lw-0"])
-    assert not recvd["lw-0"]["errors"], recvd
-    assert d.call("digests", blocks=d_blocks)["digests"] == p.call("digests", blocks=p_blocks)["digests"]
-    assert sorted(d.call("changed")["blocks"]) == sorted(d_blocks)
+    _forward_and_check(p, d, p_daemon, "lw-0", [5, 9, 17, 3], [100, 7, 64, 2], seed=900)
     assert d_daemon.metric("pushsvc_verify_total", result="identical") == 1
     parts = p_daemon.metric("pushsvc_write_parts_total")
     print(f"layer-wise push: {parts:.0f} WRITEs for {LAYERS} layers")

@@ -11,18 +11,12 @@ and with what each layer held before it was computed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-from collections.abc import AsyncIterator
 
-import numpy as np
 import pytest
 from daemon_fixtures import (
-    D_ENGINE,
     LONG_S,
     P_ENGINE,
     WAIT_S,
-    Worker,
     assert_tables_empty,
     http_get,
     metric,
@@ -30,124 +24,43 @@ from daemon_fixtures import (
     wait_until,
 )
 from gpu_fixtures import UUID, gpu_pair
+from layer_fixtures import (
+    BLOCK,
+    LAYERS,
+    P_BLOCKS,
+    LayerWorker,
+    landed,
+    layer_pair,
+    pushregs_at,
+    recv_into,
+    untouched,
+)
 
-from pushsvc.devmem.fake import FakeDeviceMemory, FakeEvent
+from pushsvc.devmem.fake import FakeDeviceMemory
 from pushsvc.engine.fake import FakeEngine
 from pushsvc.errors import DaemonRefused
 from pushsvc.protocol import worker as wp
 from pushsvc.shm import SharedBuffer
-
-LAYERS = 4
-BLOCK = 64
-P_BLOCKS, D_BLOCKS = 8, 12
-
-
-class LayerWorker(Worker):
-    """A worker whose regions are the K and V of ``LAYERS`` named layers, in one buffer;
-    with ``gpu``, its KV is (fake) device memory exported by handle, and ``events`` are
-    its layer events (one per layer and one for the forward pass's end)."""
-
-    def __init__(self, daemon, role, gpu: FakeDeviceMemory | None = None, events: int = LAYERS + 1) -> None:
-        super().__init__(daemon, role)
-        self.gpu = gpu
-        self.events: list[FakeEvent] = []
-        self._event_count = events
-
-    async def start_layers(self, blocks: int, seed: int) -> wp.KVRegistered:
-        await self.connect()
-        self.num_blocks, self.block_len = blocks, BLOCK
-        self.buffer = SharedBuffer.create(2 * LAYERS * blocks * BLOCK)
-        data = np.random.default_rng(seed).integers(0, 256, self.buffer.size, dtype=np.uint8).tobytes()
-        ctypes.memmove(self.buffer.address, data, len(data))
-        self.initial = self.snapshot()
-        regions = [wp.Region(buffer=0, offset=r * blocks * BLOCK, block_len=BLOCK, num_blocks=blocks,
-                             layer_names=[f"model.layers.{r // 2}.self_attn"]) for r in range(2 * LAYERS)]
-        if self.gpu is None:
-            return await asyncio.to_thread(self.client.register_kv, [self.buffer.fd], regions)
-        handle = self.gpu.export(self.buffer.address, self.buffer.size)
-        memory = wp.CudaIpcBuffers(device_uuid=UUID, buffers=[wp.CudaIpcBuffer(handle=handle, size=self.buffer.size)])
-        handles = []
-        for _ in range(self._event_count):
-            event, h = self.gpu.export_event()
-            self.events.append(event)
-            handles.append(h)
-        return await asyncio.to_thread(self.client.register_kv, [], regions, memory=memory, layer_events=handles)
-
-    def compute(self, layer: int, blocks: list[int], salt: int) -> None:
-        """The forward pass writes layer ``layer``'s final KV into ``blocks``."""
-        assert self.buffer is not None
-        for region in (2 * layer, 2 * layer + 1):
-            for b in blocks:
-                data = bytes([(salt + region * 7 + b) % 256]) * BLOCK
-                ctypes.memmove(self.buffer.address + (region * self.num_blocks + b) * BLOCK, data, BLOCK)
-
-    def region_block(self, image: np.ndarray, region: int, block: int) -> bytes:
-        start = (region * self.num_blocks + block) * BLOCK
-        return image[start:start + BLOCK].tobytes()
-
-
-@contextlib.asynccontextmanager
-async def layer_pair(*, gpu: bool = False, **config) -> AsyncIterator[tuple]:
-    """P and D daemons (``config`` for both), each with a ``LayerWorker``; with ``gpu``,
-    P's KV is on a (fake) GPU and has layer events, D's stays in host memory (so each
-    layer's landing is seen in D's blocks as it happens)."""
-    fake = FakeEngine()
-    devmem = FakeDeviceMemory() if gpu else None
-    if devmem is not None:
-        devmem.add_device(UUID)
-    async with running_daemon(fake, P_ENGINE, devmem=devmem, **config) as p, \
-            running_daemon(fake, D_ENGINE, **config) as d:
-        pw, dw = LayerWorker(p, "producer", gpu=devmem), LayerWorker(d, "consumer")
-        try:
-            await pw.start_layers(P_BLOCKS, seed=1)
-            await dw.start_layers(D_BLOCKS, seed=2)
-            yield p, d, pw, dw
-        finally:
-            pw.close()
-            dw.close()
-
-
-def _recv(p, dw: LayerWorker, rid: str, blocks: list[int]) -> None:
-    dw.send(wp.RegisterRecv(request_id=rid, local_block_ids=[blocks], remote_engine_id=P_ENGINE,
-                            remote_host="127.0.0.1", remote_port=p.service.peers.port))
-
-
-async def _registered(p, n: int = 1) -> None:
-    await wait_until(lambda: metric(p, "pushsvc_notifications_total", kind="push_reg") >= n, "PUSH_REG at P")
-
-
-def _landed(pw: LayerWorker, dw: LayerWorker, p_blocks: list[int], d_blocks: list[int], layer: int) -> bool:
-    """Whether D's blocks hold P's current bytes of ``layer`` (both of its regions)."""
-    p_now, d_now = pw.snapshot(), dw.snapshot()
-    return all(pw.region_block(p_now, r, s) == dw.region_block(d_now, r, t)
-               for r in (2 * layer, 2 * layer + 1) for s, t in zip(p_blocks, d_blocks))
-
-
-def _untouched(dw: LayerWorker, d_blocks: list[int], layer: int) -> bool:
-    d_now = dw.snapshot()
-    assert dw.initial is not None
-    return all(dw.region_block(d_now, r, t) == dw.region_block(dw.initial, r, t)
-               for r in (2 * layer, 2 * layer + 1) for t in d_blocks)
 
 
 @pytest.mark.asyncio
 async def test_each_layer_goes_once_final_and_d_hears_once_the_last_one_landed() -> None:
     async with layer_pair() as (p, d, pw, dw):
         p_blocks, d_blocks = [1, 4, 6], [10, 0, 7]
-        _recv(p, dw, "d-1", d_blocks)
-        await _registered(p)
+        recv_into(p, dw, "d-1", d_blocks)
+        await pushregs_at(p)
         pw.send(wp.SendStart(request_id="d-1", block_ids=[p_blocks], step=7))
         for layer in range(LAYERS):
-            await wait_until(lambda: all(_untouched(dw, d_blocks, later) for later in range(layer, LAYERS)),
+            await wait_until(lambda: all(untouched(dw, d_blocks, later) for later in range(layer, LAYERS)),
                              "nothing of a layer before it is final")
             pw.compute(layer, p_blocks, salt=layer * 31)
             pw.send(wp.LayerSaved(step=7, layer=layer))
-            await wait_until(lambda: _landed(pw, dw, p_blocks, d_blocks, layer), f"layer {layer} at D")
+            await wait_until(lambda: landed(pw, dw, p_blocks, d_blocks, layer), f"layer {layer} at D")
             if layer < LAYERS - 1:
                 await dw.quiet_for(0.05)  # no RecvDone while layers are missing
         # Every region is final with the last layer: the completion needs no StepSaved.
         assert await dw.wait_for(wp.RecvDone, "d-1")
-        assert all(_landed(pw, dw, p_blocks, d_blocks, layer) for layer in range(LAYERS))
+        assert all(landed(pw, dw, p_blocks, d_blocks, layer) for layer in range(LAYERS))
         assert await pw.wait_for(wp.SendDone, "d-1")
         pw.send(wp.StepSaved(step=7))  # after the push ended: nothing left to do
         await pw.quiet_for(0.05)
@@ -172,15 +85,15 @@ async def test_a_registration_that_comes_mid_step_takes_what_is_final_then_the_r
         await wait_until(lambda: p.service.sender.layerwise.progress(p.service.ranks.current[0], "mid") is not None
                          and p.service.sender.layerwise.progress(p.service.ranks.current[0], "mid").final.sum() == 4,
                          "layers 0 and 1 saved at P")
-        _recv(p, dw, "mid", d_blocks)
-        await wait_until(lambda: _landed(pw, dw, p_blocks, d_blocks, 0) and _landed(pw, dw, p_blocks, d_blocks, 1),
+        recv_into(p, dw, "mid", d_blocks)
+        await wait_until(lambda: landed(pw, dw, p_blocks, d_blocks, 0) and landed(pw, dw, p_blocks, d_blocks, 1),
                          "the final layers at once")
-        assert _untouched(dw, d_blocks, 2) and _untouched(dw, d_blocks, 3)
+        assert untouched(dw, d_blocks, 2) and untouched(dw, d_blocks, 3)
         for layer in (2, 3):
             pw.compute(layer, p_blocks, salt=90 + layer)
         pw.send(wp.StepSaved(step=1))  # the rest, without a LayerSaved of their own
         assert await dw.wait_for(wp.RecvDone, "mid")
-        assert all(_landed(pw, dw, p_blocks, d_blocks, layer) for layer in range(LAYERS))
+        assert all(landed(pw, dw, p_blocks, d_blocks, layer) for layer in range(LAYERS))
         assert await pw.wait_for(wp.SendDone, "mid")
         await assert_tables_empty(p, d)
 
@@ -193,9 +106,9 @@ async def test_a_registration_after_the_step_is_pushed_whole() -> None:
             pw.compute(layer, [0, 1], salt=5)
         pw.send(wp.StepSaved(step=3))
         await wait_until(lambda: p.service.sender.layerwise.open_steps(p.service.ranks.current[0]) == 0, "step ended")
-        _recv(p, dw, "late", [8, 9])
+        recv_into(p, dw, "late", [8, 9])
         assert await dw.wait_for(wp.RecvDone, "late")
-        assert all(_landed(pw, dw, [0, 1], [8, 9], layer) for layer in range(LAYERS))
+        assert all(landed(pw, dw, [0, 1], [8, 9], layer) for layer in range(LAYERS))
         assert metric(p, "pushsvc_write_parts_total") == 1, "one WRITE: the step had ended"
         assert await pw.wait_for(wp.SendDone, "late")
 
@@ -203,8 +116,8 @@ async def test_a_registration_after_the_step_is_pushed_whole() -> None:
 @pytest.mark.asyncio
 async def test_verify_mode_digests_the_final_bytes() -> None:
     async with layer_pair(verify=True) as (p, d, pw, dw):
-        _recv(p, dw, "v", [1, 2, 3])
-        await _registered(p)
+        recv_into(p, dw, "v", [1, 2, 3])
+        await pushregs_at(p)
         pw.send(wp.SendStart(request_id="v", block_ids=[[4, 5, 6]], step=2))
         for layer in range(LAYERS):
             pw.compute(layer, [4, 5, 6], salt=200 + layer)
@@ -220,12 +133,12 @@ async def test_verify_mode_digests_the_final_bytes() -> None:
 async def test_a_push_stopped_mid_step_writes_nothing_more_and_both_sides_hear(who: str) -> None:
     async with layer_pair() as (p, d, pw, dw):
         p_blocks, d_blocks = [0, 7], [3, 11]
-        _recv(p, dw, "x", d_blocks)
-        await _registered(p)
+        recv_into(p, dw, "x", d_blocks)
+        await pushregs_at(p)
         pw.send(wp.SendStart(request_id="x", block_ids=[p_blocks], step=4))
         pw.compute(0, p_blocks, salt=17)
         pw.send(wp.LayerSaved(step=4, layer=0))
-        await wait_until(lambda: _landed(pw, dw, p_blocks, d_blocks, 0), "layer 0 at D")
+        await wait_until(lambda: landed(pw, dw, p_blocks, d_blocks, 0), "layer 0 at D")
         if who == "p_evicts":
             pw.send(wp.Evict(request_ids=["x"]))
             failed = await pw.wait_for(wp.SendFailed, "x")
@@ -248,7 +161,7 @@ async def test_a_push_stopped_mid_step_writes_nothing_more_and_both_sides_hear(w
                 pw.send(wp.LayerSaved(step=4, layer=layer))
             pw.send(wp.StepSaved(step=4))
             await pw.ping(1)  # the daemon has read all of it
-        assert all(_untouched(dw, d_blocks, layer) for layer in (1, 2, 3))
+        assert all(untouched(dw, d_blocks, layer) for layer in (1, 2, 3))
         assert metric(p, "pushsvc_transfers_total", result="failed") == 1
         await assert_tables_empty(p, d)
 
@@ -294,18 +207,18 @@ async def test_a_gpu_layer_goes_only_once_its_event_says_its_kernels_ran() -> No
     so D gets the final bytes, never what the layer held before."""
     async with layer_pair(gpu=True) as (p, d, pw, dw):
         p_blocks, d_blocks = [2, 5], [9, 1]
-        _recv(p, dw, "gpu", d_blocks)
-        await _registered(p)
+        recv_into(p, dw, "gpu", d_blocks)
+        await pushregs_at(p)
         pw.send(wp.SendStart(request_id="gpu", block_ids=[[2, 5]], step=3))
         for layer in range(LAYERS):
             pw.events[layer].record()
             pw.send(wp.LayerSaved(step=3, layer=layer))
             await pw.ping(layer)  # the daemon read it, and holds it
             await dw.quiet_for(0.02)
-            assert _untouched(dw, d_blocks, layer), f"layer {layer} posted before its event was done"
+            assert untouched(dw, d_blocks, layer), f"layer {layer} posted before its event was done"
             pw.compute(layer, p_blocks, salt=60 + layer)  # the kernels run ...
             pw.events[layer].finish()  # ... and finish
-            await wait_until(lambda: _landed(pw, dw, p_blocks, d_blocks, layer), f"layer {layer} at D")
+            await wait_until(lambda: landed(pw, dw, p_blocks, d_blocks, layer), f"layer {layer} at D")
         assert await dw.wait_for(wp.RecvDone, "gpu")
         assert await pw.wait_for(wp.SendDone, "gpu")
         pw.events[-1].record()
@@ -320,19 +233,19 @@ async def test_the_step_end_on_a_gpu_waits_for_its_own_event() -> None:
     """Layers without a LayerSaved are final at the step's end, which on a GPU is when the
     event recorded after the forward pass is done, not when StepSaved arrives."""
     async with layer_pair(gpu=True) as (p, d, pw, dw):
-        _recv(p, dw, "end", [4])
-        await _registered(p)
+        recv_into(p, dw, "end", [4])
+        await pushregs_at(p)
         pw.send(wp.SendStart(request_id="end", block_ids=[[6]], step=8))
         pw.events[-1].record()
         pw.send(wp.StepSaved(step=8))
         await pw.ping(1)
         await dw.quiet_for(0.05)
-        assert all(_untouched(dw, [4], layer) for layer in range(LAYERS))
+        assert all(untouched(dw, [4], layer) for layer in range(LAYERS))
         for layer in range(LAYERS):
             pw.compute(layer, [6], salt=7)
         pw.events[-1].finish()
         assert await dw.wait_for(wp.RecvDone, "end")
-        assert all(_landed(pw, dw, [6], [4], layer) for layer in range(LAYERS))
+        assert all(landed(pw, dw, [6], [4], layer) for layer in range(LAYERS))
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,170 @@
+"""Layer-wise push into a same-host D, with the device faked: D offers its worker's KV, P
+maps it, and a request that P's worker starts layer by layer (``SendStart``) is copied by
+P into D's blocks once every one of its layers is final, in one copy, never before (the
+fake copy moves the bytes at its launch, so an early launch would carry the layers' old
+bytes). Also every way such a waiting copy can end before it launched.
+
+The same flow runs on a real GPU in ``tests/gpu/``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from daemon_fixtures import assert_tables_empty, metric, wait_until
+from gpu_fixtures import UUID
+from layer_fixtures import LAYERS, landed, layer_pair, pushregs_at, recv_into, untouched
+
+from pushsvc.protocol import worker as wp
+
+
+async def _warm(p, d, pw, dw) -> None:
+    """A first push (whole, over NIXL into D's landing slots: D does not know P yet), then
+    P's IpcReady at D, so D's next registrations ask P to copy."""
+    recv_into(p, dw, "first", [0])
+    await pushregs_at(p)
+    pw.send(wp.SendReady(request_id="first", block_ids=[[0]]))
+    assert await dw.wait_for(wp.RecvDone, "first")
+    assert await pw.wait_for(wp.SendDone, "first")
+    agent = d.service.ranks.current[0].agent.name
+    await wait_until(lambda: (peer := d.service.peers.find_engine(p.config.engine_id)) is not None
+                     and agent in peer.ipc_ready, "P's IpcReady at D")
+    dw.initial = dw.snapshot()
+
+
+def _registration(p, rid: str):
+    rank = p.service.ranks.current[0]
+    regs = {r.request_id: r.reg for r in p.service.sender._of(rank).table.registrations.values()}
+    return regs.get(rid)
+
+
+async def _copy_asked(p, dw, rid: str, blocks: list[int]) -> None:
+    recv_into(p, dw, rid, blocks)
+    await wait_until(lambda: _registration(p, rid) is not None, "the PUSH_REG at P")
+    assert _registration(p, rid).ipc, "D asks for a same-host copy"
+
+
+@pytest.mark.asyncio
+async def test_a_layer_wise_request_is_copied_whole_once_its_last_layer_is_final() -> None:
+    async with layer_pair(gpu=True, same_host=True) as (p, d, pw, dw):
+        await _warm(p, d, pw, dw)
+        device = p.service.devmem.device(UUID)
+        parts, copies = metric(p, "pushsvc_write_parts_total"), device.pair_copies
+        p_blocks, d_blocks = [2, 5], [9, 1]
+        await _copy_asked(p, dw, "r", d_blocks)
+        pw.send(wp.SendStart(request_id="r", block_ids=[p_blocks], step=3))
+        for layer in range(LAYERS):
+            pw.events[layer].record()  # the layer's kernels are queued ...
+            pw.send(wp.LayerSaved(step=3, layer=layer))
+            await pw.ping(layer)
+            pw.compute(layer, p_blocks, salt=60 + layer)  # ... and write its final KV
+            if layer < LAYERS - 1:
+                pw.events[layer].finish()
+                await dw.quiet_for(0.02)
+                assert device.pair_copies == copies, f"copied with layer {layer + 1} not final"
+                assert all(untouched(dw, d_blocks, n) for n in range(LAYERS))
+        pw.events[LAYERS - 1].finish()  # the last layer is final: no StepSaved needed
+        assert await dw.wait_for(wp.RecvDone, "r")
+        assert await pw.wait_for(wp.SendDone, "r")
+        assert all(landed(pw, dw, p_blocks, d_blocks, n) for n in range(LAYERS))
+        assert device.pair_copies == copies + 1, "one copy for the whole request"
+        assert metric(p, "pushsvc_write_parts_total") == parts, "no NIXL WRITE"
+        assert metric(p, "pushsvc_ipc_copies_total") == 1
+        events = p.service.timelines.recent(1, "r")[0]["events_ms"]
+        assert sorted(events, key=events.get)[:4] == ["send_start", "matched", "prefill_done", "write_planned"]
+        pw.events[-1].record()
+        pw.send(wp.StepSaved(step=3))
+        pw.events[-1].finish()
+        await assert_tables_empty(p, d)
+
+
+@pytest.mark.asyncio
+async def test_the_step_end_launches_a_copy_matched_before_it_and_verify_checks_the_bytes() -> None:
+    async with layer_pair(gpu=True, same_host=True, verify=True) as (p, d, pw, dw):
+        await _warm(p, d, pw, dw)
+        pw.send(wp.SendStart(request_id="v", block_ids=[[4, 6, 7]], step=8))
+        await pw.ping(1)
+        recv_into(p, dw, "v", [3, 10, 11])  # matched mid-step, a copy asked for: it waits
+        rank = p.service.ranks.current[0]
+        await wait_until(lambda: "v" in p.service.sender._of(rank).waiting, "the copy waiting at P")
+        assert p.service.sender._of(rank).waiting["v"][0].registration.reg.ipc
+        pw.events[-1].record()
+        pw.send(wp.StepSaved(step=8))  # layers without a LayerSaved are final at the step's end ...
+        await pw.ping(2)
+        await dw.quiet_for(0.05)
+        assert all(untouched(dw, [3, 10, 11], n) for n in range(LAYERS))
+        for layer in range(LAYERS):
+            pw.compute(layer, [4, 6, 7], salt=100 + layer)
+        pw.events[-1].finish()  # ... once its event says the pass ran
+        assert await dw.wait_for(wp.RecvDone, "v")
+        assert all(landed(pw, dw, [4, 6, 7], [3, 10, 11], n) for n in range(LAYERS))
+        assert metric(d, "pushsvc_verify_total", result="identical") == 2  # "first" and "v"
+        assert metric(p, "pushsvc_ipc_copies_total") == 1
+        await assert_tables_empty(p, d)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["p_evicts", "p_worker_leaves", "d_withdraws", "event_fails", "d_daemon_gone",
+                                 "d_silent"])
+async def test_a_copy_waiting_for_its_layers_ends_cleanly_without_a_launch(how: str) -> None:
+    async with layer_pair(gpu=True, same_host=True) as (p, d, pw, dw):
+        await _warm(p, d, pw, dw)
+        device = p.service.devmem.device(UUID)
+        copies = device.pair_copies
+        p_blocks, d_blocks = [1, 3], [6, 8]
+        await _copy_asked(p, dw, "x", d_blocks)
+        pw.send(wp.SendStart(request_id="x", block_ids=[p_blocks], step=5))
+        pw.events[0].record()
+        pw.send(wp.LayerSaved(step=5, layer=0))
+        await pw.ping(1)
+        rank = p.service.ranks.current[0]
+        await wait_until(lambda: "x" in p.service.sender._of(rank).waiting, "the copy waiting at P")
+        if how == "p_evicts":
+            pw.send(wp.Evict(request_ids=["x"]))
+            failed = await pw.wait_for(wp.SendFailed, "x")
+            assert failed.reason.startswith("cancelled: P's request ended before its last layer was final"), failed
+            event = await dw.wait_for(wp.RecvFailed, "x")
+            assert "push_failed_remote" in event.reason and sorted(event.block_ids) == sorted(d_blocks)
+        elif how == "p_worker_leaves":
+            pw.close()
+            event = await dw.wait_for(wp.RecvFailed, "x")
+            assert "worker_gone" in event.reason, event
+        elif how == "d_withdraws":
+            dw.send(wp.Evict(request_ids=["x"]))
+            event = await dw.wait_for(wp.RecvFailed, "x")
+            assert event.reason == "cancelled", event
+            failed = await pw.wait_for(wp.SendFailed, "x")
+            assert failed.reason.startswith("cancelled: D withdrew the registration"), failed
+        elif how == "event_fails":
+            pw.events[0].fault()  # the worker's context failed: its layers are never known final
+            failed = await pw.wait_for(wp.SendFailed, "x")
+            assert failed.reason.startswith("layer_event: the worker's layer event failed"), failed
+            event = await dw.wait_for(wp.RecvFailed, "x")
+            assert "layer_event" in event.reason, event
+        elif how == "d_daemon_gone":  # while the layers compute: P copies nothing into its KV
+            peer = p.service.peers.find_engine(d.config.engine_id)
+            d.request_exit(force=True)
+            await d.shutdown()
+            await wait_until(lambda: not peer.alive, "D's daemon seen gone at P")
+        else:  # P's fence is checked at the launch, not only at the match
+            p.service.peers.find_engine(d.config.engine_id).heard_at = time.monotonic() - 10
+        if how not in ("p_worker_leaves", "event_fails"):
+            for layer in range(LAYERS):
+                pw.compute(layer, p_blocks, salt=40)
+            pw.events[0].finish()
+            pw.events[-1].record()
+            pw.send(wp.StepSaved(step=5))
+            pw.events[-1].finish()
+            await pw.ping(2)
+        if how == "d_daemon_gone":
+            failed = await pw.wait_for(wp.SendFailed, "x")
+            assert failed.reason.startswith("peer_lost: D's daemon went away before the last layer was final"), failed
+        elif how == "d_silent":
+            failed = await pw.wait_for(wp.SendFailed, "x")
+            assert failed.reason.startswith("ipc_fence: nothing heard from D's daemon"), failed
+            assert "ipc_fence" in (await dw.wait_for(wp.RecvFailed, "x")).reason
+        assert device.pair_copies == copies, "nothing copied"
+        assert all(untouched(dw, d_blocks, n) for n in range(LAYERS))
+        assert metric(p, "pushsvc_transfers_total", result="failed") == 1
+        assert not p.service.sender._of(rank).waiting
+        await assert_tables_empty(p, *([d] if how != "d_daemon_gone" else []))
