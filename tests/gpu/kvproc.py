@@ -105,8 +105,10 @@ class KV:
         layer's final KV (seeded bytes)."""
         name = f"model.layers.{layer}.self_attn"
         t = self.tensors[name]
+        # From page-locked memory, asynchronously: a copy from pageable memory would wait
+        # for the stream's earlier work, and the CPU would no longer run ahead of the GPU.
+        index = torch.tensor(blocks, dtype=torch.long).pin_memory().to("cuda", non_blocking=True)
         torch.cuda._sleep(sleep_cycles)
-        index = torch.tensor(blocks, dtype=torch.long, device="cuda")
         dim = 1 if t.dim() >= 3 and t.shape[0] == 2 and self.layout != "mla" else 0
         picked = t.index_select(dim, index)
         gen = torch.Generator(device="cuda").manual_seed(seed)

@@ -73,6 +73,37 @@ def test_a_layer_wise_request_is_copied_into_ds_kv_once_its_kernels_ran(spawn: S
     assert p_daemon.metric("pushsvc_transfers_total", result="done") == 2
 
 
+def test_a_p_worker_killed_mid_pass_fails_its_waiting_copy_and_copies_nothing(spawn: Spawner) -> None:
+    """P's worker queues a forward pass of ~6 s (each layer keeps the GPU busy ~0.2 s) for a
+    request D asked P to copy, and is killed with -9: its events will never be done (a
+    query of a dead process's event says "not ready" for ever). P's daemon fails the push
+    when the worker's socket closes, D's request fails, nothing reaches D's blocks, and
+    the daemon serves the next worker."""
+    p_daemon = spawn.daemon("prefill", *IPC)
+    d_daemon = spawn.daemon("decode", *IPC, "--landing-mib", "512")
+    p = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=P_BLOCKS, seed=45, layerwise=1)
+    d = spawn.worker(d_daemon, "consumer", layout="flash", layers=LAYERS, blocks=D_BLOCKS, seed=46)
+    _meet(p, d, p_daemon, d_daemon)
+    d.call("snapshot")
+    regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
+    _recv(d, p_daemon, [("doomed", [10, 11, 12])])
+    deadline = time.monotonic() + 10
+    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") <= regs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    p.call("forward", rid="doomed", blocks=[1, 2, 3], step=1, seed=5, sleep_cycles=400_000_000)
+    p.proc.kill()
+    p.proc.wait()
+    recvd = _wait(d, ["doomed"])
+    assert recvd["doomed"]["errors"], recvd
+    assert p_daemon.metric("pushsvc_failures_total", kind="worker_gone") == 1
+    assert p_daemon.metric("pushsvc_ipc_copies_total") == 0  # the meeting went over NIXL
+    assert d.call("changed")["blocks"] == []
+    p2 = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=P_BLOCKS, seed=47)
+    _push_and_check(p2, d, p_daemon, _plan(random.Random(47), 3))
+    info = p_daemon.live_info()
+    assert info["tables"]["inflight"] == 0 and info["nixl_handles"]["xfers"] == 0, info
+
+
 def test_contiguous_blocks_land_exactly(spawn: Spawner) -> None:
     """A fresh prefill into a fresh D (both sides' blocks consecutive), with a prefix hit
     and scattered ids beside it, in one batch."""
