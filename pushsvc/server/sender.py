@@ -204,8 +204,9 @@ class Sender:
             self.evict(rank, rid)
         for write in [w for w in state.writes.values() if w.waiting_for_layers]:
             self.layerwise.stop(rank, write, ("worker_gone", "P's worker left before the last layer was final"))
-        for rid in list(state.waiting):
-            self._fail_push(rank, *state.waiting.pop(rid), "worker_gone", "P's worker left before the last layer was final")
+        for match, peer in list(state.waiting.values()):
+            del state.waiting[match.request_id]
+            self._fail_push(rank, match, peer, "worker_gone", "P's worker left before the last layer was final")
         self.layerwise.forget(rank)
 
     # ------------------------------------------------------------------ the WRITE
