@@ -214,37 +214,44 @@ def test_a_p_and_a_d_drained_under_load_finish_their_requests_take_no_new_ones_a
     status, _ = http_post(f"{cluster.proxy.url}/admin/drain", {"backend": cluster.decodes["d2"].url})
     assert status == 401  # the proxy listens beyond loopback: the admin routes need its token
     load, refs = cluster.reqs[4:20], cluster.refs  # 34 to 1024 prompt tokens
+    # Drained under a load of each prompt twice, so that it outlasts the moment P2 and D2 are
+    # seen busy: with the prompts once, the proxy gave P2 and D2 their first requests near
+    # the load's end on a slow host, and the load was over when they were drained.
+    under = load + [replace(r, name=f"{r.name}-again") for r in load]
     before = _served(cluster)
-    with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(generate_all, cluster.proxy.url, load, 4)
-        wait_for("P2 and D2 busy", lambda: _served(cluster), lambda s: s["p2"] > before["p2"] and
-                 s["d2"] > before["d2"], 120, interval=0.05)
-        drained = [_admin(cluster, "drain", proc) for proc in (cluster.prefills["p2"], cluster.decodes["d2"])]
-        assert all(d["draining"] for d in drained), drained
-        assert not running.done(), "the load ended before the drain: nothing was drained under load"
-        wait_for("P2 and D2 idle at the proxy", lambda: [b["outstanding"] for b in get_json(
-            f"{cluster.proxy.url}/admin/backends", headers=cluster.auth) if b["draining"]],
-                 lambda counts: counts == [0, 0], 60, interval=0.05)
-        for daemon in (cluster.prefill_daemons["p2"], cluster.decode_daemons["d2"]):
-            wait_for(f"{daemon.name}'s tables empty", lambda d=daemon: cluster.tables(d),
-                     lambda t: not any(t.values()), SETTLE_S)
-        idle = _served(cluster)
-        got = running.result(timeout=300)
-    again = generate_all(cluster.proxy.url, load[:8], concurrency=4)
-    wait_for("P1's pushes", lambda: _served(cluster)["p1"], lambda n: n >= idle["p1"] + 8, SETTLE_S)
-    assert (_served(cluster)["p2"], _served(cluster)["d2"]) == (idle["p2"], idle["d2"])
-    resumed = [_admin(cluster, "resume", proc) for proc in (cluster.prefills["p2"], cluster.decodes["d2"])]
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(generate_all, cluster.proxy.url, under, 4)
+            wait_for("P2 and D2 busy", lambda: _served(cluster), lambda s: s["p2"] > before["p2"] and
+                     s["d2"] > before["d2"], 120, interval=0.05)
+            drained = [_admin(cluster, "drain", proc) for proc in (cluster.prefills["p2"], cluster.decodes["d2"])]
+            assert all(d["draining"] for d in drained), drained
+            assert not running.done(), "the load ended before the drain: nothing was drained under load"
+            wait_for("P2 and D2 idle at the proxy", lambda: [b["outstanding"] for b in get_json(
+                f"{cluster.proxy.url}/admin/backends", headers=cluster.auth) if b["draining"]],
+                     lambda counts: counts == [0, 0], 60, interval=0.05)
+            for daemon in (cluster.prefill_daemons["p2"], cluster.decode_daemons["d2"]):
+                wait_for(f"{daemon.name}'s tables empty", lambda d=daemon: cluster.tables(d),
+                         lambda t: not any(t.values()), SETTLE_S)
+            idle = _served(cluster)
+            got = running.result(timeout=300)
+        again = generate_all(cluster.proxy.url, load[:8], concurrency=4)
+        wait_for("P1's pushes", lambda: _served(cluster)["p1"], lambda n: n >= idle["p1"] + 8, SETTLE_S)
+        assert (_served(cluster)["p2"], _served(cluster)["d2"]) == (idle["p2"], idle["d2"])
+    finally:  # the cluster's later tests need all four, whatever happened here
+        resumed = [_admin(cluster, "resume", proc) for proc in (cluster.prefills["p2"], cluster.decodes["d2"])]
     assert not any(d["draining"] for d in resumed), resumed
     back = generate_all(cluster.proxy.url, load, concurrency=4)
     wait_for("P2 and D2 serving again", lambda: _served(cluster),
              lambda s: s["p2"] > idle["p2"] and s["d2"] > idle["d2"], SETTLE_S)
     # Every request of the three runs succeeded, with the colocated output (one check over
-    # all 40, whose tolerance for a bf16 near-tie is one request in 24).
-    runs = {"drained": got, "without-p2-d2": again, "resumed": back}
-    outcomes = {f"{name}@{run}": o for run, got_ in runs.items() for name, o in got_.items()}
-    tagged = [replace(r, name=f"{r.name}@{run}") for run, got_ in runs.items() for r in load if r.name in got_]
-    assert_like_colocated(outcomes, {r.name: refs[r.name.partition("@")[0]] for r in tagged}, tagged,
-                          "the proxy while P2 and D2 were drained and after", cluster.logs)
+    # all 56, whose tolerance for a bf16 near-tie is one request in 24).
+    runs = {"drained": (got, under), "without-p2-d2": (again, load[:8]), "resumed": (back, load)}
+    outcomes = {f"{name}@{run}": o for run, (got_, _) in runs.items() for name, o in got_.items()}
+    tagged = [replace(r, name=f"{r.name}@{run}") for run, (got_, sent) in runs.items() for r in sent
+              if r.name in got_]
+    assert_like_colocated(outcomes, {r.name: refs[r.name.partition("@")[0].removesuffix("-again")] for r in tagged},
+                          tagged, "the proxy while P2 and D2 were drained and after", cluster.logs)
 
 
 def test_two_ps_and_two_ds_serve_behind_vllm_router_too(cluster: Cluster) -> None:
