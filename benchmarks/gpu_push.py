@@ -465,23 +465,19 @@ def main() -> None:
     if args.layerwise:
         paths = ("landing", "same_host") if args.ipc == "both" else ("landing",)
         got = layerwise_compare(sizes, total, args.repeats, args.layer_cycles, paths, args.poll_spin_s)
+        cols = {f"{path}_{mode}": (mode, path) for path in paths for mode in ("whole", "layerwise")}
         rows = [{"blocks": n, "mib": n * BLOCK_BYTES >> 20,
-                 **{f"{path}_{mode}_ms": got[(mode, path, n)] * 1e3 for path in paths
-                    for mode in ("whole", "layerwise")}} for n in sizes]
-        heads = [f"{path.replace('_', '-')}, {mode}" for path in paths for mode in ("whole", "layerwise")]
+                 **{f"{col}_ms": got[(*key, n)] * 1e3 for col, key in cols.items()}} for n in sizes]
         print("\nRecvDone after the pass's end, ms (medians)")
-        print("| blocks | MiB | " + " | ".join(heads) + " |")
-        print("|---:|---:|" + "---:|" * len(heads))
+        print("| blocks | MiB | " + " | ".join(f"{path.replace('_', '-')}, {mode}" for mode, path in cols.values())
+              + " |")
+        print("|---:|---:|" + "---:|" * len(cols))
         for r in rows:
-            cells = [f"{r[f'{path}_{mode}_ms']:.3f}" for path in paths for mode in ("whole", "layerwise")]
-            print(f"| {r['blocks']} | {r['mib']} | " + " | ".join(cells) + " |")
+            print(f"| {r['blocks']} | {r['mib']} | " + " | ".join(f"{r[f'{col}_ms']:.3f}" for col in cols) + " |")
         (out_dir / "gpu_layerwise.json").write_text(json.dumps(
             {"layer_cycles": args.layer_cycles, "repeats": args.repeats, "poll_spin_s": args.poll_spin_s,
-             "rows": rows,
-             "write_parts": {f"{path}_{mode}": got[(mode, path, "parts")] for path in paths
-                             for mode in ("whole", "layerwise")},
-             "ipc_copies": {f"{path}_{mode}": got[(mode, path, "copies")] for path in paths
-                            for mode in ("whole", "layerwise")}}, indent=2))
+             "rows": rows, "write_parts": {col: got[(*key, "parts")] for col, key in cols.items()},
+             "ipc_copies": {col: got[(*key, "copies")] for col, key in cols.items()}}, indent=2))
         return
     if args.phases:
         push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug",

@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import Spawner
 from test_gpu_push import (D_BLOCKS, LAYERS, P_BLOCKS, _check_given_back, _forward_and_check, _free_gpu_memory,
-                           _kill_under_load, _plan, _push_and_check, _recv, _send, _wait)
+                           _kill_under_load, _plan, _push_and_check, _recv, _registered_at_p, _send, _wait)
 
 IPC = ("--ipc-push", "auto")
 _MEETINGS = itertools.count()
@@ -84,12 +84,7 @@ def test_a_p_worker_killed_mid_pass_fails_its_waiting_copy_and_copies_nothing(sp
     p = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=P_BLOCKS, seed=45, layerwise=1)
     d = spawn.worker(d_daemon, "consumer", layout="flash", layers=LAYERS, blocks=D_BLOCKS, seed=46)
     _meet(p, d, p_daemon, d_daemon)
-    d.call("snapshot")
-    regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
-    _recv(d, p_daemon, [("doomed", [10, 11, 12])])
-    deadline = time.monotonic() + 10
-    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") <= regs and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _registered_at_p(d, p_daemon, "doomed", [10, 11, 12])
     p.call("forward", rid="doomed", blocks=[1, 2, 3], step=1, seed=5, sleep_cycles=400_000_000)
     p.proc.kill()
     p.proc.wait()

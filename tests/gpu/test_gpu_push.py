@@ -90,17 +90,22 @@ def test_pushed_bytes_land_at_the_mapped_blocks_only(spawn: Spawner, layout: str
     assert d_daemon.metric("pushsvc_landing_slots", state="used") == 0
 
 
-def _forward_and_check(p, d, p_daemon, rid: str, p_blocks: list[int], d_blocks: list[int], seed: int) -> None:
-    """D registers ``rid``; once P's daemon has the PUSH_REG, P's worker queues a forward
-    pass ending its prefill, each layer keeping the GPU busy ~2 ms before writing its final
-    KV (layer events recorded, LayerSaved said at once). D's blocks then hold P's final
-    KV, and no other block of D changed."""
+def _registered_at_p(d, p_daemon, rid: str, d_blocks: list[int]) -> None:
+    """D snapshots its KV and registers ``rid``; returns once P's daemon has the PUSH_REG."""
     d.call("snapshot")
     regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
     _recv(d, p_daemon, [(rid, d_blocks)])
     deadline = time.monotonic() + 10
     while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") <= regs and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def _forward_and_check(p, d, p_daemon, rid: str, p_blocks: list[int], d_blocks: list[int], seed: int) -> None:
+    """D registers ``rid``; once P's daemon has the PUSH_REG, P's worker queues a forward
+    pass ending its prefill, each layer keeping the GPU busy ~2 ms before writing its final
+    KV (layer events recorded, LayerSaved said at once). D's blocks then hold P's final
+    KV, and no other block of D changed."""
+    _registered_at_p(d, p_daemon, rid, d_blocks)
     out = p.call("forward", rid=rid, blocks=p_blocks, step=1, seed=seed, sleep_cycles=4_000_000)
     print(f"forward pass queued in {out['queued_s'] * 1e3:.1f} ms")
     recvd = _wait(d, [rid])

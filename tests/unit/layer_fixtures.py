@@ -113,3 +113,28 @@ def untouched(dw: LayerWorker, d_blocks: list[int], layer: int) -> bool:
                for r in (2 * layer, 2 * layer + 1) for t in d_blocks)
 
 
+
+
+async def stop_mid_step(who: str, pw: LayerWorker, dw: LayerWorker, rid: str, d_blocks: list[int],
+                        withdrawn: str) -> None:
+    """End ``rid``'s push while its layers compute, as ``who`` says: P's worker evicts it
+    ("p_evicts"), P's worker leaves ("p_worker_leaves"), or D's worker withdraws it
+    ("d_withdraws": P's worker then hears a reason starting with ``withdrawn``); and check
+    that both workers hear of it."""
+    if who == "p_evicts":
+        pw.send(wp.Evict(request_ids=[rid]))
+        failed = await pw.wait_for(wp.SendFailed, rid)
+        assert failed.reason.startswith("cancelled: P's request ended before its last layer was final"), failed
+        event = await dw.wait_for(wp.RecvFailed, rid)
+        assert "push_failed_remote" in event.reason and sorted(event.block_ids) == sorted(d_blocks)
+    elif who == "p_worker_leaves":
+        pw.close()
+        event = await dw.wait_for(wp.RecvFailed, rid)
+        assert "worker_gone" in event.reason, event
+    else:
+        assert who == "d_withdraws", who
+        dw.send(wp.Evict(request_ids=[rid]))
+        event = await dw.wait_for(wp.RecvFailed, rid)
+        assert event.reason == "cancelled", event
+        failed = await pw.wait_for(wp.SendFailed, rid)
+        assert failed.reason.startswith(withdrawn), failed

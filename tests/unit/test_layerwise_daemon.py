@@ -33,6 +33,7 @@ from layer_fixtures import (
     layer_pair,
     pushregs_at,
     recv_into,
+    stop_mid_step,
     untouched,
 )
 
@@ -139,22 +140,8 @@ async def test_a_push_stopped_mid_step_writes_nothing_more_and_both_sides_hear(w
         pw.compute(0, p_blocks, salt=17)
         pw.send(wp.LayerSaved(step=4, layer=0))
         await wait_until(lambda: landed(pw, dw, p_blocks, d_blocks, 0), "layer 0 at D")
-        if who == "p_evicts":
-            pw.send(wp.Evict(request_ids=["x"]))
-            failed = await pw.wait_for(wp.SendFailed, "x")
-            assert failed.reason.startswith("cancelled: P's request ended before its last layer was final")
-            event = await dw.wait_for(wp.RecvFailed, "x")
-            assert "push_failed_remote" in event.reason and sorted(event.block_ids) == sorted(d_blocks)
-        elif who == "p_worker_leaves":
-            pw.close()
-            event = await dw.wait_for(wp.RecvFailed, "x")
-            assert "worker_gone" in event.reason, event
-        else:
-            dw.send(wp.Evict(request_ids=["x"]))
-            event = await dw.wait_for(wp.RecvFailed, "x")
-            assert event.reason == "cancelled", event
-            failed = await pw.wait_for(wp.SendFailed, "x")
-            assert failed.reason.startswith("cancelled: D withdrew the registration before the last layer"), failed
+        await stop_mid_step(who, pw, dw, "x", d_blocks,
+                            withdrawn="cancelled: D withdrew the registration before the last layer")
         if who != "p_worker_leaves":
             for layer in (1, 2, 3):  # later layers become final: none of them may reach D now
                 pw.compute(layer, p_blocks, salt=40)

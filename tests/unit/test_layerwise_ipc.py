@@ -13,7 +13,7 @@ import time
 import pytest
 from daemon_fixtures import assert_tables_empty, metric, wait_until
 from gpu_fixtures import UUID
-from layer_fixtures import LAYERS, landed, layer_pair, pushregs_at, recv_into, untouched
+from layer_fixtures import LAYERS, landed, layer_pair, pushregs_at, recv_into, stop_mid_step, untouched
 
 from pushsvc.protocol import worker as wp
 
@@ -119,22 +119,8 @@ async def test_a_copy_waiting_for_its_layers_ends_cleanly_without_a_launch(how: 
         await pw.ping(1)
         rank = p.service.ranks.current[0]
         await wait_until(lambda: "x" in p.service.sender._of(rank).waiting, "the copy waiting at P")
-        if how == "p_evicts":
-            pw.send(wp.Evict(request_ids=["x"]))
-            failed = await pw.wait_for(wp.SendFailed, "x")
-            assert failed.reason.startswith("cancelled: P's request ended before its last layer was final"), failed
-            event = await dw.wait_for(wp.RecvFailed, "x")
-            assert "push_failed_remote" in event.reason and sorted(event.block_ids) == sorted(d_blocks)
-        elif how == "p_worker_leaves":
-            pw.close()
-            event = await dw.wait_for(wp.RecvFailed, "x")
-            assert "worker_gone" in event.reason, event
-        elif how == "d_withdraws":
-            dw.send(wp.Evict(request_ids=["x"]))
-            event = await dw.wait_for(wp.RecvFailed, "x")
-            assert event.reason == "cancelled", event
-            failed = await pw.wait_for(wp.SendFailed, "x")
-            assert failed.reason.startswith("cancelled: D withdrew the registration"), failed
+        if how in ("p_evicts", "p_worker_leaves", "d_withdraws"):
+            await stop_mid_step(how, pw, dw, "x", d_blocks, withdrawn="cancelled: D withdrew the registration")
         elif how == "event_fails":
             pw.events[0].fault()  # the worker's context failed: its layers are never known final
             failed = await pw.wait_for(wp.SendFailed, "x")
