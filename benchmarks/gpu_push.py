@@ -335,11 +335,12 @@ def layerwise_compare(sizes: list[int], total_blocks: int, repeats: int, sleep_c
     """P's worker runs a forward pass of 32 layers (each keeps the GPU busy
     ``sleep_cycles``, then writes its layer's KV of the request's blocks); D's worker
     waits for the KV. Whole-request push: the pass, then ``SendReady``. Layer-wise push:
-    ``SendStart`` before the pass; into D's landing buffer each layer is posted once its
-    event is done, into a same-host D (``ipc_push``) the request is copied whole once the
-    last one is. Timed on the host's clock from the GPU finishing the pass to D's worker
-    seeing ``RecvDone``: what of the transfer is left after the prefill. Keys: (mode,
-    path, blocks), and (mode, path, "parts") and (mode, path, "copies")."""
+    ``SendStart`` before the pass; each layer is posted into D's landing buffer, or copied
+    into a same-host D's KV (``ipc_push``), once its event is done. Timed on the host's
+    clock from the GPU finishing the pass to D's worker seeing ``RecvDone``: what of the
+    transfer is left after the prefill. Keys: (mode, path, blocks), and (mode, path,
+    "parts"), (mode, path, "copies") and (mode, path, "p_cpu_s"): P's daemon's CPU time
+    over the run, warm-ups included."""
     from procs import start_daemon
 
     out: dict = {}
@@ -354,6 +355,8 @@ def layerwise_compare(sizes: list[int], total_blocks: int, repeats: int, sleep_c
             p = _Proc(p_daemon, "producer", total_blocks, 1, layerwise=mode == "layerwise")
             d = _Proc(d_daemon, "consumer", total_blocks, 2)
             seq = 0
+            meter = CpuMeter({"P": p_daemon.proc.pid})
+            cpu0 = meter.snapshot()
             try:
                 for n in sizes:
                     p_ids, d_ids = _block_sets(n, total_blocks, "contiguous", n + 7)
@@ -380,6 +383,9 @@ def layerwise_compare(sizes: list[int], total_blocks: int, repeats: int, sleep_c
                           f"after the pass's end (p90 {np.percentile(after, 90) * 1e3:.3f})", flush=True)
                 out[(mode, path, "parts")] = p_daemon.metric("pushsvc_write_parts_total")
                 out[(mode, path, "copies")] = p_daemon.metric("pushsvc_ipc_copies_total")
+                out[(mode, path, "p_cpu_s")] = CpuMeter.delta(cpu0, meter.snapshot()).get("P/root", 0.0)
+                print(f"  {path:9s} {mode:9s} P's daemon: {out[(mode, path, 'p_cpu_s')]:.2f} s of CPU over "
+                      f"{seq} pushes", flush=True)
             finally:
                 for w in (p, d):
                     w.w.close()
@@ -477,7 +483,8 @@ def main() -> None:
         (out_dir / "gpu_layerwise.json").write_text(json.dumps(
             {"layer_cycles": args.layer_cycles, "repeats": args.repeats, "poll_spin_s": args.poll_spin_s,
              "rows": rows, "write_parts": {col: got[(*key, "parts")] for col, key in cols.items()},
-             "ipc_copies": {col: got[(*key, "copies")] for col, key in cols.items()}}, indent=2))
+             "ipc_copies": {col: got[(*key, "copies")] for col, key in cols.items()},
+             "p_daemon_cpu_s": {col: got[(*key, "p_cpu_s")] for col, key in cols.items()}}, indent=2))
         return
     if args.phases:
         push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug",

@@ -62,10 +62,11 @@ class PairCopier(Protocol):
     plan: CopyPlan
     nbytes: int  # device memory it holds (its copy table)
 
-    def launch(self, group: int, src: np.ndarray, dst: np.ndarray) -> CopyJob:
+    def launch(self, group: int, src: np.ndarray, dst: np.ndarray, entries: tuple[int, int] | None = None) -> CopyJob:
         """Copy source block ``src[i]`` to destination block ``dst[i]`` in every entry of
-        ``group``, on the device's copy stream. Returns at once; ``DeviceError`` for pairs
-        ``check_pair_ids`` refuses."""
+        ``group`` (or the run ``entries`` = (first, count) of them: a layer's regions), on
+        the device's copy stream. Returns at once; ``DeviceError`` for entries not of
+        ``group`` (``group_entries``) and pairs ``check_pair_ids`` refuses."""
 
     def close(self) -> None:
         """Give its memory back (no copy of it may be in flight)."""

@@ -19,7 +19,8 @@ import structlog
 from pushsvc.devmem import kernel
 from pushsvc.devmem.driver import Driver, format_uuid
 from pushsvc.errors import DeviceError
-from pushsvc.state.landing import COPY_FIELDS, CopyPlan, SlotRun, check_launch, check_pair_ids, check_pairs
+from pushsvc.state.landing import (COPY_FIELDS, CopyPlan, SlotRun, check_launch, check_pair_ids, check_pairs,
+                                   group_entries)
 
 log = structlog.get_logger("pushsvc.devmem")
 
@@ -229,11 +230,12 @@ class _PairCopier:
         self._inflight: collections.deque[tuple[int, int, _Copy]] = collections.deque()
         self._head = 0
 
-    def launch(self, group: int, src: np.ndarray, dst: np.ndarray) -> _Copy | _Nothing:
+    def launch(self, group: int, src: np.ndarray, dst: np.ndarray,
+               entries: tuple[int, int] | None = None) -> _Copy | _Nothing:
         src = np.asarray(src, dtype=np.int64)
         dst = np.asarray(dst, dtype=np.int64)
-        first, count = self.plan.group_span(group)
-        why = check_pair_ids(self.plan, first, count, src, dst)
+        first, count = self.plan.group_span(group) if entries is None else entries
+        why = group_entries(self.plan, group, first, count) or check_pair_ids(self.plan, first, count, src, dst)
         if why:
             raise DeviceError(f"copy refused: {why}")
         if not len(src) or not count:

@@ -17,7 +17,8 @@ import hashlib
 import numpy as np
 
 from pushsvc.errors import DeviceError
-from pushsvc.state.landing import CopyPlan, SlotRun, check_launch, check_pair_ids, check_pairs, copy_ranges
+from pushsvc.state.landing import (CopyPlan, SlotRun, check_launch, check_pair_ids, check_pairs, copy_ranges,
+                                   group_entries)
 
 
 class _Buffer:
@@ -134,11 +135,11 @@ class _PairCopier:
         device.allocated += self.nbytes
         self._open = True
 
-    def launch(self, group: int, src: np.ndarray, dst: np.ndarray) -> _Copy:
+    def launch(self, group: int, src: np.ndarray, dst: np.ndarray, entries: tuple[int, int] | None = None) -> _Copy:
         assert self._open, "copy through a closed copier"
         src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-        first, count = self.plan.group_span(group)
-        why = check_pair_ids(self.plan, first, count, src, dst)
+        first, count = self.plan.group_span(group) if entries is None else entries
+        why = group_entries(self.plan, group, first, count) or check_pair_ids(self.plan, first, count, src, dst)
         if why:
             raise DeviceError(f"copy refused: {why}")
         if self._device.memory.fail_launches:

@@ -14,21 +14,24 @@ for a registration that asks for it (``PushReg.ipc``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import structlog
 
-from pushsvc.devmem.base import Device, DeviceBuffer, PairCopier
+from pushsvc.devmem.base import CopyJob, Device, DeviceBuffer, PairCopier
 from pushsvc.engine.base import Agent
 from pushsvc.errors import DeviceError, LayoutError, TransferError
 from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
-from pushsvc.server.ranks import Rank
+from pushsvc.server.peers import Peer
+from pushsvc.server.ranks import Rank, RankMemory
 from pushsvc.server.remotes import worker_view
 from pushsvc.server.verify import digest_memory
 from pushsvc.server.writes import Write
-from pushsvc.state.landing import CopyPlan
+from pushsvc.state.landing import CopyPlan, entry_runs
+from pushsvc.state.layerwise import Progress
 from pushsvc.state.layout import BlockPairs, Layout, check_compatible, pair_blocks, plan_write
 from pushsvc.state.producer import Match
 
@@ -149,6 +152,24 @@ class IpcPlan:
     announce: pp.WriteStarted  # D hears of it before the copies launch (verify: P's digests)
 
 
+def fence(heard_at: float) -> str:
+    """Why P may not launch a copy into the KV of a D daemon last heard at ``heard_at``
+    (``time.monotonic()``), or "": that daemon may be gone, and its worker may soon reuse
+    the blocks."""
+    silent = time.monotonic() - heard_at
+    if silent <= IPC_FENCE_S:
+        return ""
+    return (f"nothing heard from D's daemon for {silent:.1f} s (over {IPC_FENCE_S} s): "
+            "P copies into D's KV only while D's daemon is known alive")
+
+
+def ipc_digests(memory: RankMemory, target: Layout, match: Match) -> bytes:
+    """P's digests of ``match``'s source blocks (verify mode), in the order a WRITE of the
+    same blocks would go: D checks them so."""
+    plan = plan_write(memory.layout, target, match.block_ids, match.registration.reg.local_block_ids)
+    return digest_memory(memory.descs, plan.src_indices, memory.vram)
+
+
 def plan_ipc(rank: Rank, match: Match, target: pp.AgentInfo | None, heard_at: float, verify: bool
              ) -> tuple[IpcPlan | None, str, str]:
     """``match``'s copies into ``target``'s mapped worker KV, or why not as (failure kind,
@@ -160,18 +181,14 @@ def plan_ipc(rank: Rank, match: Match, target: pp.AgentInfo | None, heard_at: fl
     if memory is None or ipc is None:
         why = known.refused.get(target.agent_name, "") if known is not None else ""
         return None, "ipc_unavailable", f"P has not mapped D's KV{': ' + why if why else ''}"
-    silent = time.monotonic() - heard_at
-    if silent > IPC_FENCE_S:  # D's daemon may be gone, and its worker may soon reuse the blocks
-        return None, "ipc_fence", (f"nothing heard from D's daemon for {silent:.1f} s (over {IPC_FENCE_S} s): "
-                                   "P copies into D's KV only while D's daemon is known alive")
+    fenced = fence(heard_at)
+    if fenced:
+        return None, "ipc_fence", fenced
     try:
         pairs = pair_blocks(memory.layout, ipc.layout, match.block_ids, reg.local_block_ids)
         if not pairs.groups:
             raise LayoutError("D's registration names no block of P's layout")
-        digests = b""
-        if verify:  # in the order a WRITE of the same blocks would go: D checks them so
-            plan = plan_write(memory.layout, ipc.layout, match.block_ids, reg.local_block_ids)
-            digests = digest_memory(memory.descs, plan.src_indices, memory.vram)
+        digests = ipc_digests(memory, ipc.layout, match) if verify else b""
     except LayoutError as exc:
         return None, "layout_mismatch", str(exc)
     announce = pp.WriteStarted(request_id=reg.request_id, rank=reg.decode_rank,
@@ -196,6 +213,73 @@ def launch_ipc(rank: Rank, match: Match, plan: IpcPlan, remote_agent: str, now: 
     note = notif.encode_completion(match.registration.reg.request_id, rank.tp_size)
     return Write(match, [], remote_agent, plan.pairs.nbytes, now, started,
                  failed=("write_submit_failed", error) if error else None, copies=copies, note=note), ""
+
+
+@dataclass(eq=False)
+class LayerCopy:
+    """A layer-wise request's same-host push (``Layerwise``, as ``LayerPost`` for a WRITE):
+    planned whole at the match, its copies launched region by region as the request's
+    layers become final."""
+
+    progress: Progress
+    plan: IpcPlan
+    match: Match  # its blocks, for the digests
+    copied: np.ndarray = field(init=False)  # per region of the rank: launched
+
+    def __post_init__(self) -> None:
+        self.copied = np.zeros(self.progress.map.regions, dtype=bool)
+
+    @property
+    def all_posted(self) -> bool:
+        return self.progress.complete and bool(self.copied.all())
+
+    @property
+    def nbytes(self) -> int:
+        return self.plan.pairs.nbytes
+
+    @property
+    def logical_blocks(self) -> int:
+        return self.plan.pairs.logical_blocks
+
+    @property
+    def ready(self) -> bool:
+        """Some region is final and not copied yet."""
+        return bool((self.progress.final & ~self.copied).any())
+
+    def launch_final(self) -> tuple[list[CopyJob], str]:
+        """Launch the copies of the regions that are final and not copied yet: one per KV
+        group and run of adjacent regions. The jobs launched, and why one could not be ("" if
+        none failed; what failed is not marked copied, and the push fails)."""
+        ready = np.flatnonzero(self.progress.final & ~self.copied)
+        jobs: list[CopyJob] = []
+        if not len(ready):
+            return jobs, ""
+        copier = self.plan.target.copier
+        for group, src, dst in self.plan.pairs.groups:
+            for entries in entry_runs(copier.plan, group, ready):
+                try:
+                    jobs.append(copier.launch(group, src, dst, entries))
+                except DeviceError as exc:
+                    return jobs, str(exc)
+        self.copied[ready] = True
+        return jobs, ""
+
+    def digests(self, memory: RankMemory) -> bytes:
+        return ipc_digests(memory, self.plan.target.layout, self.match)
+
+
+def launch_check(rank: Rank, peer: Peer | None, copy: LayerCopy, remote_agent: str) -> tuple[str, str] | None:
+    """Why a layer of ``copy`` may not be launched now, as (failure kind, reason), or None:
+    D's daemon gone or silent past the fence, or D's KV no longer mapped."""
+    if peer is None or not peer.alive:
+        return "peer_lost", "D's daemon went away before the last layer was final"
+    fenced = fence(peer.heard_at)
+    if fenced:
+        return "ipc_fence", fenced
+    targets = rank.remotes.ipc
+    if targets is None or targets.get(remote_agent) is not copy.plan.target:
+        return "ipc_unavailable", "D withdrew its KV before the last layer was final"
+    return None
 
 
 def copies_settled(agent: Agent, write: Write) -> bool:

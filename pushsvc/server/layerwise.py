@@ -9,8 +9,9 @@ on its ``Write``: the whole WRITE planned once, posted piece by piece, without a
 notification, as its source regions become final. Once every piece is posted and has
 landed, D hears ``WriteStarted`` (with the digests in verify mode) and the completion.
 Once the step ended, every request of it is complete and the step is forgotten (a
-request matched later is pushed whole). A same-host copy has no pieces: the Sender holds
-its match until ``final`` says every layer of the request is final, then copies it whole.
+request matched later is pushed whole). A same-host push gets a ``LayerCopy`` instead
+(``server/ipcpush.py``): its copies into D's KV are launched as the layers become final,
+each after the fence check, and it completes as a WRITE does.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from pushsvc.engine.base import XferState
 from pushsvc.errors import DeviceError, ProtocolError, TransferError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
+from pushsvc.server.ipcpush import LayerCopy, launch_check
 from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
 from pushsvc.server.timelines import Timelines
-from pushsvc.server.verify import digest_memory
 from pushsvc.server.writes import LayerPost, Write, write_started
 from pushsvc.state.layerwise import LayerMap, Progress
 from pushsvc.state.producer import Match
@@ -42,8 +43,6 @@ MAX_OPEN_STEPS = 16  # per rank: steps whose StepSaved has not come (vLLM runs o
 MAX_STEP_REQUESTS = 65536  # requests one step may start
 
 Settle = Callable[[Rank, Write, list[XferState]], None]
-# Requests whose layers are now all final (failure None), or never will be (kind, reason).
-Final = Callable[[Rank, list[str], tuple[str, str] | None], None]
 
 
 @dataclass(eq=False)
@@ -64,15 +63,14 @@ class _Saved:
 
 class Layerwise:
     def __init__(self, *, metrics: Metrics, timelines: Timelines, peers: PeerLink, verify: bool,
-                 writes: Callable[[Rank], dict[str, Write]], settle: Settle, final: Final,
-                 wake: Callable[[], None], now: Callable[[], float]) -> None:
+                 writes: Callable[[Rank], dict[str, Write]], settle: Settle, wake: Callable[[], None],
+                 now: Callable[[], float]) -> None:
         self._metrics = metrics
         self._timelines = timelines
         self._peers = peers
         self._verify = verify
         self._writes = writes  # the rank's posted WRITEs, by P's request id
         self._settle = settle  # release what settled of a WRITE; settle it once nothing is left
-        self._final = final  # a same-host copy waits for every layer of its request (Sender.waiting)
         self._wake = wake
         self._now = now
         self._maps: dict[Rank, LayerMap] = {}
@@ -170,17 +168,13 @@ class Layerwise:
             write = writes.get(rid)
             if write is not None and write.layered is not None:
                 self.stop(rank, write, ("layer_event", f"the worker's layer event failed: {error}"))
-        if current is not None:
-            self._final(rank, list(current.requests), ("layer_event", f"the worker's layer event failed: {error}"))
 
     def _apply_layer(self, rank: Rank, step: int, layer: int) -> None:
         current = self._steps.get(rank, {}).get(step)
         if current is not None:  # else a step none of whose requests is layer-wise any more
             changed = [rid for rid, progress in current.requests.items() if progress.save(layer)]
-            complete = [rid for rid, progress in current.requests.items() if progress.complete]
-            self._prefilled(rank, complete)
+            self._prefilled(rank, [rid for rid, progress in current.requests.items() if progress.complete])
             self._post_final(rank, changed)
-            self._final(rank, complete, None)
 
     def _apply_step(self, rank: Rank, step: int) -> None:
         current = self._steps.get(rank, {}).pop(step, None)
@@ -188,7 +182,6 @@ class Layerwise:
             changed = [rid for rid, progress in current.requests.items() if progress.finish()]
             self._prefilled(rank, list(current.requests))
             self._post_final(rank, changed)
-            self._final(rank, list(current.requests), None)
 
     def busy(self, rank: Rank) -> bool:
         """A GPU worker's saves wait for their events."""
@@ -220,15 +213,16 @@ class Layerwise:
 
     # ------------------------------------------------------------------ the WRITE
 
-    def begin(self, rank: Rank, match: Match, peer: Peer, remote_agent: str, layered: LayerPost, now: float,
-              started: float) -> None:
-        """A layer-wise request matched: its WRITE, with what is final now (maybe nothing)."""
+    def begin(self, rank: Rank, match: Match, peer: Peer, remote_agent: str, layered: LayerPost | LayerCopy,
+              now: float, started: float) -> None:
+        """A layer-wise request matched: its WRITE (or same-host copy), with what is final
+        now (maybe nothing)."""
         self._metrics.match_wait_seconds.observe(now - match.staged.staged_at)
-        write = Write(match, [], remote_agent, layered.plan.nbytes, now, started, layered=layered)
+        write = Write(match, [], remote_agent, layered.nbytes, now, started, layered=layered)
         self._writes(rank)[match.request_id] = write
-        self._metrics.transfer_blocks.inc(layered.plan.logical_blocks)
-        log.debug("write_planned", request_id=match.request_id, peer=peer.engine_id, bytes=layered.plan.nbytes,
-                  descriptors=len(layered.plan.src_indices), layerwise=True)
+        self._metrics.transfer_blocks.inc(layered.logical_blocks)
+        log.debug("write_planned", request_id=match.request_id, peer=peer.engine_id, bytes=layered.nbytes,
+                  layerwise=True, copy=isinstance(layered, LayerCopy))
         self._post_more(rank, write, now)
 
     def _post_final(self, rank: Rank, rids: list[str]) -> None:
@@ -242,6 +236,9 @@ class Layerwise:
     def _post_more(self, rank: Rank, write: Write, now: float) -> None:
         layered = write.layered
         assert layered is not None
+        if isinstance(layered, LayerCopy):
+            self._copy_more(rank, write, layered, now)
+            return
         rid = write.match.request_id
         handle, xstate, failed = layered.post_final(rank.agent)
         if failed:
@@ -253,6 +250,26 @@ class Layerwise:
             self._timelines.mark(rank, SEND, rid, "write_posted")
         earlier = write.handles[:-1] if handle is not None else write.handles
         self._settle(rank, write, [rank.agent.state(h) for h in earlier] + ([xstate] if handle is not None else []))
+        self._wake()
+
+    def _copy_more(self, rank: Rank, write: Write, copy: LayerCopy, now: float) -> None:
+        """Launch the copies of what is final and not copied yet, if D may still be written."""
+        if copy.ready:
+            failure = launch_check(rank, self._peers.find_agent(write.remote_agent), copy, write.remote_agent)
+            if failure is not None:
+                self.stop(rank, write, failure)
+                return
+            first = not copy.copied.any()
+            jobs, error = copy.launch_final()
+            if jobs:
+                write.copies.extend(jobs)
+                write.posted_at = now
+                if first:
+                    self._metrics.ipc_copies.inc()
+                self._timelines.mark(rank, SEND, write.match.request_id, "write_posted")
+            if error:
+                write.failed = ("write_submit_failed", error)
+        self._settle(rank, write, [])
         self._wake()
 
     def stop(self, rank: Rank, write: Write, failure: tuple[str, str]) -> None:
@@ -267,8 +284,7 @@ class Layerwise:
         assert layered is not None
         reg = write.match.registration.reg
         memory = rank.memory
-        digests = digest_memory(layered.descs, layered.plan.src_indices, memory.vram) if (
-            self._verify and memory is not None) else b""
+        digests = layered.digests(memory) if self._verify and memory is not None else b""
         peer = self._peers.find_agent(write.remote_agent)
         if peer is not None:
             self._peers.send(peer, write_started(rank, reg, write.nbytes, digests))

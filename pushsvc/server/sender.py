@@ -28,7 +28,7 @@ from pushsvc.protocol import notif
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
 from pushsvc.server.intake import Intake
-from pushsvc.server.ipcpush import copies_settled, launch_ipc, plan_ipc
+from pushsvc.server.ipcpush import LayerCopy, copies_settled, launch_ipc, plan_ipc
 from pushsvc.server.layerwise import Layerwise
 from pushsvc.server.outbox import Outbox
 from pushsvc.server.peers import Peer, PeerLink
@@ -74,9 +74,6 @@ class _RankSends:
     # Staged requests whose registration is on its way (``RegSent``): P's request id ->
     # until when to poll hot for it. Set once per request; dropped once matched or past.
     expected: dict[str, float] = field(default_factory=dict)
-    # Layer-wise requests matched with a same-host copy while some of their layers are not
-    # final: P's request id -> (match, D's peer). Copied once ``Layerwise`` says they are.
-    waiting: dict[str, tuple[Match, Peer]] = field(default_factory=dict)
 
 
 class Sender:
@@ -95,7 +92,7 @@ class Sender:
         self.staging = Staging(metrics=metrics, current=self._current, ready=self._post, failed=self._fail_push)
         self.layerwise = Layerwise(metrics=metrics, timelines=timelines, peers=peers, verify=settings.verify,
                                    writes=lambda rank: self._of(rank).writes, settle=self._settle_parts,
-                                   final=self._layers_final, wake=wake, now=self._now)
+                                   wake=wake, now=self._now)
         self.intake = Intake(engine_id=settings.engine_id, max_notif_bytes=settings.max_notif_bytes, peers=peers,
                              metrics=metrics, outbox=outbox, table=lambda rank: self._of(rank).table,
                              tables=lambda: [(rank, state.table) for rank, state in self._ranks.items()],
@@ -187,10 +184,6 @@ class Sender:
             log.info("evicted", request_id=rid, rank=rank.number)
             self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason="cancelled"))
             return
-        waiting = state.waiting.pop(rid, None)
-        if waiting is not None:  # its same-host copy never launched: nothing to wait for
-            self._fail_push(rank, *waiting, "cancelled", "P's request ended before its last layer was final")
-            return
         write = state.writes.get(rid)
         if write is not None and write.waiting_for_layers:
             # Layers still to come will never be final for D: stop, fail once posted ones settled.
@@ -204,9 +197,6 @@ class Sender:
             self.evict(rank, rid)
         for write in [w for w in state.writes.values() if w.waiting_for_layers]:
             self.layerwise.stop(rank, write, ("worker_gone", "P's worker left before the last layer was final"))
-        for match, peer in list(state.waiting.values()):
-            del state.waiting[match.request_id]
-            self._fail_push(rank, match, peer, "worker_gone", "P's worker left before the last layer was final")
         self.layerwise.forget(rank)
 
     # ------------------------------------------------------------------ the WRITE
@@ -248,16 +238,17 @@ class Sender:
     def _copy_into(self, rank: Rank, match: Match, peer: Peer) -> None:
         """Same-host push: P's copies into D's mapped KV (``server/ipcpush.py``), then the
         completion notification once they finished (``poll``). A layer-wise request whose
-        layers are not all final waits (``waiting``) and is copied whole once they are."""
+        layers are not all final is copied layer by layer as they become so (``LayerCopy``)."""
         sender = match.registration.sender
-        layered = self.layerwise.pending(rank, match.request_id) is not None
+        progress = self.layerwise.pending(rank, match.request_id)
         plan, kind, reason = plan_ipc(rank, match, peer.agents.get(sender), peer.heard_at,
-                                      self._settings.verify and not layered)
-        if plan is None:
+                                      self._settings.verify and progress is None)
+        if plan is None:  # checked at the match, so what cannot be copied fails at once
             self._fail_push(rank, match, peer, kind, reason)
             return
-        if layered:  # checked now, so what cannot be copied fails at once; launched by _layers_final
-            self._of(rank).waiting[match.request_id] = (match, peer)
+        if progress is not None:  # digests once every layer is final
+            self.layerwise.begin(rank, match, peer, sender, LayerCopy(progress, plan, match), self._now(),
+                                 time.perf_counter())
             return
         self._timelines.mark(rank, SEND, match.request_id, "write_planned")
         self._peers.send(peer, plan.announce)
@@ -267,26 +258,6 @@ class Sender:
         else:
             self._metrics.ipc_copies.inc()
             self._posted(rank, write, peer, 0)  # no NIXL part: copies on the device
-
-    def _layers_final(self, rank: Rank, rids: list[str], failure: tuple[str, str] | None) -> None:
-        """Every layer of ``rids`` is final (``failure`` None), or never will be: launch the
-        same-host copies that waited for it, or fail them."""
-        state = self._ranks.get(rank)
-        if state is None or not state.waiting:
-            return
-        for rid in rids:
-            waiting = state.waiting.pop(rid, None)
-            if waiting is None:
-                continue
-            match, peer = waiting
-            if not self._current(rank, match):
-                continue  # cancelled or expired meanwhile: already final
-            if failure is not None:
-                self._fail_push(rank, match, peer, *failure)
-            elif not peer.alive:
-                self._fail_push(rank, match, peer, "peer_lost", "D's daemon went away before the last layer was final")
-            else:
-                self._copy_into(rank, match, peer)
 
     def _post(self, rank: Rank, match: Match, peer: Peer, slot_ids: list[list[int]] | None, staged: str) -> None:
         """Plan and post ``match``'s WRITE: from the worker's blocks, or (``staged``: the
@@ -353,8 +324,11 @@ class Sender:
         self._fail_push(rank, match, peer, kind, reason)
 
     def _settle_parts(self, rank: Rank, write: Write, states: list[XferState], post: bool = True) -> None:
-        """Release the parts of ``write`` that settled; once none is left, settle it (layer-wise
-        once all is posted or it stopped; in slices once the last one settled, ``post``: the next now)."""
+        """Release the parts of ``write`` that settled; once none is left (and none of its
+        same-host copies runs), settle it (layer-wise once all is posted or it stopped; in
+        slices once the last one settled, ``post``: the next now)."""
+        if write.copies and not copies_settled(rank.agent, write):
+            return
         if not release_settled(rank.agent, write, states) or next_slice(rank.agent, write, self._now(), post,
                                                                         self._metrics.write_parts):
             return
@@ -382,8 +356,6 @@ class Sender:
             return
         self.layerwise.poll(rank)  # a GPU worker's layers, final once its events say so
         for write in list(state.writes.values()):
-            if write.copies and not copies_settled(rank.agent, write):
-                continue
             self._settle_parts(rank, write, [rank.agent.state(h) for h in write.handles])
         self.staging.poll(rank)
         if state.expected:
@@ -460,8 +432,7 @@ class Sender:
             if write is not None:
                 write.cancelled = True  # acknowledged in _settle
                 return
-            # Matched, handshake still running or a same-host copy waiting for its layers: nothing posted yet.
-            state.waiting.pop(match.request_id, None)
+            # Matched, handshake still running: nothing posted yet.
             self._fail_push(rank, match, None, "cancelled", "D withdrew the registration", notify_remote=False)
         self._peers.send(peer, pp.PushCancelled(request_id=msg.request_id, rank=msg.rank, source_rank=msg.source_rank))
 

@@ -6,6 +6,7 @@ reporting (``sender.py``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
@@ -21,6 +22,9 @@ from pushsvc.state.landing import parts_for
 from pushsvc.state.layerwise import Progress, postable
 from pushsvc.state.layout import Layout, WritePlan, plan_write, slice_cuts, split_plan
 from pushsvc.state.producer import Match
+
+if TYPE_CHECKING:
+    from pushsvc.server.ipcpush import LayerCopy
 
 log = structlog.get_logger("pushsvc.sender")
 
@@ -53,6 +57,18 @@ class LayerPost:
     @property
     def all_posted(self) -> bool:
         return self.progress.complete and bool(self.posted.all())
+
+    @property
+    def nbytes(self) -> int:
+        return self.plan.nbytes
+
+    @property
+    def logical_blocks(self) -> int:
+        return self.plan.logical_blocks
+
+    def digests(self, memory: RankMemory) -> bytes:
+        """P's digests of the source (verify mode): taken once every region is final."""
+        return digest_memory(self.descs, self.plan.src_indices, memory.vram)
 
     def post_final(self, agent: Agent) -> tuple[XferHandle | None, XferState, str]:
         """Post the descriptors that are final and not posted yet, as one WRITE without a
@@ -125,9 +141,10 @@ class Write:
     # Why a part failed (to post, or in NIXL), as (failure kind, reason): the push fails
     # with it once every part settled.
     failed: tuple[str, str] | None = None
-    # Layer-wise push: posted piece by piece as the request's layers become final; the
-    # completion goes once all of it landed (``server/layerwise.py``).
-    layered: LayerPost | None = None
+    # Layer-wise push: posted piece by piece as the request's layers become final (into a
+    # same-host D: copied so, ``LayerCopy``); the completion goes once all of it landed
+    # (``server/layerwise.py``).
+    layered: LayerPost | LayerCopy | None = None
     sliced: SlicedPost | None = None  # from host memory, a slice per loop pass
     # Same-host push (``server/ipcpush.py``): P's copies into D's KV, not NIXL parts, and
     # the completion notification sent once they finished.

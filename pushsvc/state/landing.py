@@ -250,17 +250,34 @@ def check_pair_ids(plan: CopyPlan, first: int, count: int, src: np.ndarray, dst:
     return ""
 
 
+def group_entries(plan: CopyPlan, group: int, first: int, count: int) -> str:
+    """Why entries ``first .. first + count`` are not all of ``group`` ("" if they are; the
+    plan's entries are sorted by group, so its ends say it)."""
+    if not count:
+        return ""
+    if first < 0 or first + count > len(plan.group_of):
+        return f"copy entries {first}..{first + count - 1} of {len(plan.group_of)}"
+    if plan.group_of[first] != group or plan.group_of[first + count - 1] != group:
+        return f"copy entries {first}..{first + count - 1} are not all of group {group}"
+    return ""
+
+
+def entry_runs(plan: CopyPlan, group: int, regions: np.ndarray) -> list[tuple[int, int]]:
+    """The plan's entries of ``group`` that copy one of ``regions`` (the worker's region
+    indices), as runs of adjacent entries (first, count): one launch each."""
+    entries = np.flatnonzero((plan.group_of == group) & np.isin(plan.region_of, regions))
+    if not len(entries):
+        return []
+    cuts = np.flatnonzero(np.diff(entries) != 1) + 1
+    starts, ends = np.concatenate(([0], cuts)), np.concatenate((cuts, [len(entries)]))
+    return [(int(entries[a]), int(b - a)) for a, b in zip(starts.tolist(), ends.tolist())]
+
+
 def check_launch(plan: CopyPlan, run: SlotRun, first: int, count: int) -> str:
     """Why entries ``first .. first + count`` cannot be copied through ``run`` ("" if they
     can): they must be entries of the plan, of the group whose map ``run`` set (its pairs
     were checked against every entry of that group when it was mapped)."""
-    if not run.count or not count:
-        return ""
-    if first < 0 or first + count > len(plan.group_of):
-        return f"copy entries {first}..{first + count - 1} of {len(plan.group_of)}"
-    if plan.group_of[first] != run.group or plan.group_of[first + count - 1] != run.group:
-        return f"copy entries {first}..{first + count - 1} are not all of group {run.group}"
-    return ""
+    return group_entries(plan, run.group, first, count) if run.count else ""
 
 
 @dataclass(frozen=True, slots=True)

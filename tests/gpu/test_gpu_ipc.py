@@ -6,6 +6,7 @@ kill -9 of either daemon with the workers up; the D worker's memory let go when 
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import time
 
@@ -55,9 +56,9 @@ def test_same_host_push_copies_exactly_into_ds_blocks(spawn: Spawner, layout: st
 def test_a_layer_wise_request_is_copied_into_ds_kv_once_its_kernels_ran(spawn: Spawner) -> None:
     """P's worker queues a forward pass whose layers each keep the GPU busy ~2 ms before
     writing their final KV, records each layer's event and says LayerSaved at once. P has
-    mapped D's KV: it copies the request whole once the last layer's event is done, so
-    D's blocks hold P's final KV (a copy launched early would carry the old bytes), in
-    one copy, without a WRITE, verified."""
+    mapped D's KV: it copies each layer once its event is done, so D's blocks hold P's
+    final KV (a copy launched early would carry the old bytes), the first copies while
+    later layers compute, without a WRITE, verified."""
     p_daemon = spawn.daemon("prefill", *IPC, "--verify")
     d_daemon = spawn.daemon("decode", *IPC, "--landing-mib", "512", "--verify")
     p = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=P_BLOCKS, seed=43, layerwise=1)
@@ -68,17 +69,22 @@ def test_a_layer_wise_request_is_copied_into_ds_kv_once_its_kernels_ran(spawn: S
     assert d_daemon.metric("pushsvc_verify_total", result="identical") == 2  # the meeting and this one
     assert p_daemon.metric("pushsvc_ipc_copies_total") == 1
     assert p_daemon.metric("pushsvc_write_parts_total") == parts, "no NIXL WRITE"
+    [line] = json.loads(p_daemon.get("/v1/requests?request_id=lw-ipc")[1])["timelines"]
+    events = line["events_ms"]
+    print(f"P's timeline: {events}")
+    assert events["write_posted"] < events["prefill_done"], "copies began while later layers computed"
     p.call("finished", rids=["lw-ipc"])
     _wait(p, ["lw-ipc"])
     assert p_daemon.metric("pushsvc_transfers_total", result="done") == 2
 
 
-def test_a_p_worker_killed_mid_pass_fails_its_waiting_copy_and_copies_nothing(spawn: Spawner) -> None:
+def test_a_p_worker_killed_mid_pass_fails_its_copy_and_changes_no_other_block(spawn: Spawner) -> None:
     """P's worker queues a forward pass of ~6 s (each layer keeps the GPU busy ~0.2 s) for a
     request D asked P to copy, and is killed with -9: its events will never be done (a
     query of a dead process's event says "not ready" for ever). P's daemon fails the push
-    when the worker's socket closes, D's request fails, nothing reaches D's blocks, and
-    the daemon serves the next worker."""
+    when the worker's socket closes, D's request fails, no block of D but the request's
+    changed (a layer done before the kill may have been copied into them), and the daemon
+    serves the next worker."""
     p_daemon = spawn.daemon("prefill", *IPC)
     d_daemon = spawn.daemon("decode", *IPC, "--landing-mib", "512")
     p = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=P_BLOCKS, seed=45, layerwise=1)
@@ -91,8 +97,7 @@ def test_a_p_worker_killed_mid_pass_fails_its_waiting_copy_and_copies_nothing(sp
     recvd = _wait(d, ["doomed"])
     assert recvd["doomed"]["errors"], recvd
     assert p_daemon.metric("pushsvc_failures_total", kind="worker_gone") == 1
-    assert p_daemon.metric("pushsvc_ipc_copies_total") == 0  # the meeting went over NIXL
-    assert d.call("changed")["blocks"] == []
+    assert set(d.call("changed")["blocks"]) <= {10, 11, 12}
     p2 = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=P_BLOCKS, seed=47)
     _push_and_check(p2, d, p_daemon, _plan(random.Random(47), 3))
     info = p_daemon.live_info()

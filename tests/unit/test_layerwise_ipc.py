@@ -1,8 +1,9 @@
 """Layer-wise push into a same-host D, with the device faked: D offers its worker's KV, P
 maps it, and a request that P's worker starts layer by layer (``SendStart``) is copied by
-P into D's blocks once every one of its layers is final, in one copy, never before (the
-fake copy moves the bytes at its launch, so an early launch would carry the layers' old
-bytes). Also every way such a waiting copy can end before it launched.
+P into D's blocks layer by layer, each layer once its event is done, never before (the
+fake copy moves the bytes at its launch, so an early launch would carry the layer's old
+bytes). Also every way such a push can end mid-pass: nothing more is copied, and nothing
+outside the request's blocks ever changes.
 
 The same flow runs on a real GPU in ``tests/gpu/``."""
 
@@ -13,7 +14,8 @@ import time
 import pytest
 from daemon_fixtures import assert_tables_empty, metric, wait_until
 from gpu_fixtures import UUID
-from layer_fixtures import LAYERS, landed, layer_pair, pushregs_at, recv_into, stop_mid_step, untouched
+from layer_fixtures import (LAYERS, landed, layer_pair, others_untouched, pushregs_at, recv_into, stop_mid_step,
+                            untouched)
 
 from pushsvc.protocol import worker as wp
 
@@ -44,8 +46,22 @@ async def _copy_asked(p, dw, rid: str, blocks: list[int]) -> None:
     assert _registration(p, rid).ipc, "D asks for a same-host copy"
 
 
+def _copy_of(p, rid: str):
+    """P's same-host layer-wise push of ``rid`` (its ``Write``), if there is one."""
+    rank = p.service.ranks.current[0]
+    return p.service.sender._of(rank).writes.get(rid)
+
+
+async def _final(pw, step: int, layer: int) -> None:
+    """Layer ``layer`` of ``step`` is saved and its kernels ran."""
+    pw.events[layer].record()
+    pw.send(wp.LayerSaved(step=step, layer=layer))
+    await pw.ping(100 + layer)
+    pw.events[layer].finish()
+
+
 @pytest.mark.asyncio
-async def test_a_layer_wise_request_is_copied_whole_once_its_last_layer_is_final() -> None:
+async def test_each_layer_is_copied_into_ds_kv_once_its_event_is_done() -> None:
     async with layer_pair(gpu=True, same_host=True) as (p, d, pw, dw):
         await _warm(p, d, pw, dw)
         device = p.service.devmem.device(UUID)
@@ -58,20 +74,20 @@ async def test_a_layer_wise_request_is_copied_whole_once_its_last_layer_is_final
             pw.send(wp.LayerSaved(step=3, layer=layer))
             await pw.ping(layer)
             pw.compute(layer, p_blocks, salt=60 + layer)  # ... and write its final KV
-            if layer < LAYERS - 1:
-                pw.events[layer].finish()
-                await dw.quiet_for(0.02)
-                assert device.pair_copies == copies, f"copied with layer {layer + 1} not final"
-                assert all(untouched(dw, d_blocks, n) for n in range(LAYERS))
-        pw.events[LAYERS - 1].finish()  # the last layer is final: no StepSaved needed
+            await dw.quiet_for(0.02)  # no completion before the last layer
+            assert device.pair_copies == copies + layer, f"layer {layer} copied before its event was done"
+            assert all(untouched(dw, d_blocks, n) for n in range(layer, LAYERS))
+            pw.events[layer].finish()
+            await wait_until(lambda: landed(pw, dw, p_blocks, d_blocks, layer), f"layer {layer} in D's blocks")
+            assert device.pair_copies == copies + layer + 1, "one copy per layer"
         assert await dw.wait_for(wp.RecvDone, "r")
         assert await pw.wait_for(wp.SendDone, "r")
         assert all(landed(pw, dw, p_blocks, d_blocks, n) for n in range(LAYERS))
-        assert device.pair_copies == copies + 1, "one copy for the whole request"
+        assert others_untouched(dw, d_blocks)
         assert metric(p, "pushsvc_write_parts_total") == parts, "no NIXL WRITE"
         assert metric(p, "pushsvc_ipc_copies_total") == 1
         events = p.service.timelines.recent(1, "r")[0]["events_ms"]
-        assert sorted(events, key=events.get)[:4] == ["send_start", "matched", "prefill_done", "write_planned"]
+        assert sorted(events, key=events.get)[:4] == ["send_start", "matched", "write_posted", "prefill_done"]
         pw.events[-1].record()
         pw.send(wp.StepSaved(step=3))
         pw.events[-1].finish()
@@ -79,25 +95,28 @@ async def test_a_layer_wise_request_is_copied_whole_once_its_last_layer_is_final
 
 
 @pytest.mark.asyncio
-async def test_the_step_end_launches_a_copy_matched_before_it_and_verify_checks_the_bytes() -> None:
+async def test_the_step_end_copies_what_no_layer_did_and_verify_checks_the_bytes() -> None:
     async with layer_pair(gpu=True, same_host=True, verify=True) as (p, d, pw, dw):
         await _warm(p, d, pw, dw)
+        device = p.service.devmem.device(UUID)
+        copies = device.pair_copies
         pw.send(wp.SendStart(request_id="v", block_ids=[[4, 6, 7]], step=8))
         await pw.ping(1)
-        recv_into(p, dw, "v", [3, 10, 11])  # matched mid-step, a copy asked for: it waits
-        rank = p.service.ranks.current[0]
-        await wait_until(lambda: "v" in p.service.sender._of(rank).waiting, "the copy waiting at P")
-        assert p.service.sender._of(rank).waiting["v"][0].registration.reg.ipc
+        recv_into(p, dw, "v", [3, 10, 11])  # matched mid-step, a copy asked for, nothing final
+        await wait_until(lambda: _copy_of(p, "v") is not None, "the layer-wise copy at P")
+        assert _copy_of(p, "v").match.registration.reg.ipc
         pw.events[-1].record()
         pw.send(wp.StepSaved(step=8))  # layers without a LayerSaved are final at the step's end ...
         await pw.ping(2)
         await dw.quiet_for(0.05)
+        assert device.pair_copies == copies
         assert all(untouched(dw, [3, 10, 11], n) for n in range(LAYERS))
         for layer in range(LAYERS):
             pw.compute(layer, [4, 6, 7], salt=100 + layer)
-        pw.events[-1].finish()  # ... once its event says the pass ran
+        pw.events[-1].finish()  # ... once its event says the pass ran: every region, in one launch
         assert await dw.wait_for(wp.RecvDone, "v")
         assert all(landed(pw, dw, [4, 6, 7], [3, 10, 11], n) for n in range(LAYERS))
+        assert device.pair_copies == copies + 1
         assert metric(d, "pushsvc_verify_total", result="identical") == 2  # "first" and "v"
         assert metric(p, "pushsvc_ipc_copies_total") == 1
         await assert_tables_empty(p, d)
@@ -105,8 +124,8 @@ async def test_the_step_end_launches_a_copy_matched_before_it_and_verify_checks_
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["p_evicts", "p_worker_leaves", "d_withdraws", "event_fails", "d_daemon_gone",
-                                 "d_silent"])
-async def test_a_copy_waiting_for_its_layers_ends_cleanly_without_a_launch(how: str) -> None:
+                                 "d_silent", "d_kv_withdrawn", "launch_fails"])
+async def test_a_push_ended_mid_pass_copies_nothing_more_and_nothing_elsewhere(how: str) -> None:
     async with layer_pair(gpu=True, same_host=True) as (p, d, pw, dw):
         await _warm(p, d, pw, dw)
         device = p.service.devmem.device(UUID)
@@ -114,43 +133,52 @@ async def test_a_copy_waiting_for_its_layers_ends_cleanly_without_a_launch(how: 
         p_blocks, d_blocks = [1, 3], [6, 8]
         await _copy_asked(p, dw, "x", d_blocks)
         pw.send(wp.SendStart(request_id="x", block_ids=[p_blocks], step=5))
-        pw.events[0].record()
-        pw.send(wp.LayerSaved(step=5, layer=0))
-        await pw.ping(1)
+        pw.compute(0, p_blocks, salt=20)
+        await _final(pw, 5, 0)
+        await wait_until(lambda: landed(pw, dw, p_blocks, d_blocks, 0), "layer 0 in D's blocks")
         rank = p.service.ranks.current[0]
-        await wait_until(lambda: "x" in p.service.sender._of(rank).waiting, "the copy waiting at P")
         if how in ("p_evicts", "p_worker_leaves", "d_withdraws"):
-            await stop_mid_step(how, pw, dw, "x", d_blocks, withdrawn="cancelled: D withdrew the registration")
+            await stop_mid_step(how, pw, dw, "x", d_blocks)
         elif how == "event_fails":
-            pw.events[0].fault()  # the worker's context failed: its layers are never known final
+            pw.events[1].record()
+            pw.send(wp.LayerSaved(step=5, layer=1))
+            await pw.ping(1)
+            pw.events[1].fault()  # the worker's context failed: its layers are never known final
             failed = await pw.wait_for(wp.SendFailed, "x")
             assert failed.reason.startswith("layer_event: the worker's layer event failed"), failed
             event = await dw.wait_for(wp.RecvFailed, "x")
             assert "layer_event" in event.reason, event
-        elif how == "d_daemon_gone":  # while the layers compute: P copies nothing into its KV
+        elif how == "d_daemon_gone":  # while the layers compute: P copies nothing more into its KV
             peer = p.service.peers.find_engine(d.config.engine_id)
             d.request_exit(force=True)
             await d.shutdown()
             await wait_until(lambda: not peer.alive, "D's daemon seen gone at P")
-        else:  # P's fence is checked at the launch, not only at the match
+        elif how == "d_silent":  # P's fence is checked at every launch, not only at the match
             p.service.peers.find_engine(d.config.engine_id).heard_at = time.monotonic() - 10
+        elif how == "d_kv_withdrawn":  # D took its KV offer back (its worker's KV went)
+            rank.remotes.ipc.withdraw(d.service.ranks.current[0].agent.name)
+        else:
+            p.service.devmem.fail_launches = True
         if how not in ("p_worker_leaves", "event_fails"):
-            for layer in range(LAYERS):
+            for layer in range(1, LAYERS):
                 pw.compute(layer, p_blocks, salt=40)
-            pw.events[0].finish()
+            await _final(pw, 5, 1)
             pw.events[-1].record()
             pw.send(wp.StepSaved(step=5))
             pw.events[-1].finish()
             await pw.ping(2)
-        if how == "d_daemon_gone":
+        expected = {"d_daemon_gone": "peer_lost: D's daemon went away before the last layer was final",
+                    "d_silent": "ipc_fence: nothing heard from D's daemon",
+                    "d_kv_withdrawn": "ipc_unavailable: D withdrew its KV before the last layer was final",
+                    "launch_fails": "write_submit_failed: cuLaunchKernel failed"}.get(how)
+        if expected is not None:
             failed = await pw.wait_for(wp.SendFailed, "x")
-            assert failed.reason.startswith("peer_lost: D's daemon went away before the last layer was final"), failed
-        elif how == "d_silent":
-            failed = await pw.wait_for(wp.SendFailed, "x")
-            assert failed.reason.startswith("ipc_fence: nothing heard from D's daemon"), failed
-            assert "ipc_fence" in (await dw.wait_for(wp.RecvFailed, "x")).reason
-        assert device.pair_copies == copies, "nothing copied"
-        assert all(untouched(dw, d_blocks, n) for n in range(LAYERS))
+            assert failed.reason.startswith(expected), failed
+            if how != "d_daemon_gone":
+                assert expected.split(":")[0] in (await dw.wait_for(wp.RecvFailed, "x")).reason
+        assert device.pair_copies == copies + 1, "layer 0 only"
+        assert all(untouched(dw, d_blocks, n) for n in range(1, LAYERS))
+        assert others_untouched(dw, d_blocks)
         assert metric(p, "pushsvc_transfers_total", result="failed") == 1
-        assert not p.service.sender._of(rank).waiting
+        assert p.service.sender.writes_in_flight() == 0
         await assert_tables_empty(p, *([d] if how != "d_daemon_gone" else []))

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pushsvc.errors import LayoutError
-from pushsvc.state.landing import CopyPlan, check_pair_ids, copy_ranges
+from pushsvc.devmem.fake import FakeDeviceMemory
+from pushsvc.errors import DeviceError, LayoutError
+from pushsvc.state.landing import CopyPlan, check_pair_ids, copy_ranges, entry_runs, group_entries
 from pushsvc.state.layout import Layout, RegionSpec, pair_blocks
 
 BLOCK = 1 << 19
@@ -60,3 +61,33 @@ def test_each_span_is_checked_against_its_own_smallest_region() -> None:
     assert "source block 9 outside P's KV (6 blocks)" in check_pair_ids(plan, 0, 2, np.array([9]), np.array([0]))
     assert "destination block 12 outside D's KV (12 blocks)" in check_pair_ids(plan, 0, 2, np.array([0]),
                                                                                   np.array([12]))
+
+
+def test_a_layers_regions_are_copied_as_runs_of_entries_of_their_own_group() -> None:
+    """``entry_runs``: the plan's entries are sorted by group, so the regions a layer makes
+    final (here layer 1's K and V in group 0, its third region in group 1) are a run per
+    group, and regions that are not adjacent in the plan are runs of their own."""
+    groups = (0, 0, 1, 0, 0, 1)  # two layers: K, V (group 0) and a region of group 1 each
+    plan = CopyPlan.build_pairs(_layout(0, 10, groups=groups), _layout(1 << 40, 20, groups=groups))
+    assert plan.region_of.tolist() == [0, 1, 3, 4, 2, 5] and plan.group_of.tolist() == [0, 0, 0, 0, 1, 1]
+    assert entry_runs(plan, 0, np.array([3, 4, 5])) == [(2, 2)]
+    assert entry_runs(plan, 1, np.array([3, 4, 5])) == [(5, 1)]
+    assert entry_runs(plan, 0, np.array([0, 3])) == [(0, 1), (2, 1)]
+    assert entry_runs(plan, 0, np.array([0, 1, 3, 4])) == [(0, 4)]
+    assert entry_runs(plan, 1, np.array([0, 1])) == []
+    assert group_entries(plan, 0, 2, 2) == "" and group_entries(plan, 1, 4, 2) == ""
+    assert "are not all of group 0" in group_entries(plan, 0, 3, 2)
+    assert "copy entries 5..6 of 6" in group_entries(plan, 1, 5, 2)
+
+
+def test_a_copy_of_entries_outside_its_group_is_refused() -> None:
+    """The pairs of one KV group never go through another group's entries (a hybrid
+    model's groups pair different blocks)."""
+    groups = (0, 1)
+    devmem = FakeDeviceMemory()
+    device = devmem.add_device(b"u" * 16)
+    plan = CopyPlan.build_pairs(_layout(0, 10, groups=groups), _layout(1 << 40, 20, groups=groups))
+    copier = device.pair_copier(plan)
+    with pytest.raises(DeviceError, match="are not all of group 0"):
+        copier.launch(0, np.array([1]), np.array([2]), (0, 2))
+    assert device.pair_copies == 0
