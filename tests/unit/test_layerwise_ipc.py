@@ -182,3 +182,39 @@ async def test_a_push_ended_mid_pass_copies_nothing_more_and_nothing_elsewhere(h
         assert metric(p, "pushsvc_transfers_total", result="failed") == 1
         assert p.service.sender.writes_in_flight() == 0
         await assert_tables_empty(p, *([d] if how != "d_daemon_gone" else []))
+
+
+@pytest.mark.asyncio
+async def test_requests_finishing_in_one_step_are_each_copied_into_their_own_blocks() -> None:
+    """Two requests finish their prefill in one step, into one D: each layer's event
+    launches a copy per request, each request's KV lands in its own blocks only (never in
+    the other's), and both complete once their last layer is copied."""
+    async with layer_pair(gpu=True, same_host=True, verify=True) as (p, d, pw, dw):
+        await _warm(p, d, pw, dw)
+        device = p.service.devmem.device(UUID)
+        copies = device.pair_copies
+        plan = {"a": ([0, 4], [2, 7]), "b": ([6, 1, 5], [11, 3, 10])}
+        for rid, (_, d_blocks) in plan.items():
+            await _copy_asked(p, dw, rid, d_blocks)
+        for rid, (p_blocks, _) in plan.items():
+            pw.send(wp.SendStart(request_id=rid, block_ids=[p_blocks], step=9))
+        await wait_until(lambda: all(_copy_of(p, rid) is not None for rid in plan), "both copies at P")
+        for layer in range(LAYERS):
+            for i, (p_blocks, _) in enumerate(plan.values()):
+                pw.compute(layer, p_blocks, salt=30 * i + layer)
+            await _final(pw, 9, layer)
+            await wait_until(lambda: all(landed(pw, dw, pb, db, layer) for pb, db in plan.values()),
+                             f"layer {layer} of both in D's blocks")
+            assert device.pair_copies == copies + 2 * (layer + 1), "one copy per request and layer"
+        for rid in plan:
+            assert await dw.wait_for(wp.RecvDone, rid)
+            assert await pw.wait_for(wp.SendDone, rid)
+        for p_blocks, d_blocks in plan.values():
+            assert all(landed(pw, dw, p_blocks, d_blocks, n) for n in range(LAYERS))
+        assert others_untouched(dw, [b for _, d_blocks in plan.values() for b in d_blocks])
+        assert metric(d, "pushsvc_verify_total", result="identical") == 3  # "first", "a" and "b"
+        assert metric(p, "pushsvc_ipc_copies_total") == 2
+        pw.events[-1].record()
+        pw.send(wp.StepSaved(step=9))
+        pw.events[-1].finish()
+        await assert_tables_empty(p, d)
