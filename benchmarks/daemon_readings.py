@@ -47,10 +47,11 @@ def hot_passes(daemon) -> dict[str, float]:
             "over_2.5ms": total - daemon.metric(f"{name}_bucket", pace="hot", le="0.0025")}
 
 
-def timeline_medians(p_daemon, d_daemon, rids: list[str]) -> dict[str, float]:
-    """Median ms from P's ``send_ready`` to every event of both daemons' request timelines
-    (``/v1/requests``, kept whatever the log level) for ``rids``: where a push's time goes.
-    Both daemons run on this host, so their wall clocks agree to a few microseconds."""
+def timeline_medians(p_daemon, d_daemon, rids: list[str], origin: str = "P send_ready") -> dict[str, float]:
+    """Median ms from ``origin`` (P's ``send_ready``, or another event of either side) to
+    every event of both daemons' request timelines (``/v1/requests``, kept whatever the log
+    level) for ``rids``: where a push's time goes. Both daemons run on this host, so their
+    wall clocks agree to a few microseconds."""
     from datetime import datetime
 
     want, at = set(rids), {}
@@ -65,7 +66,7 @@ def timeline_medians(p_daemon, d_daemon, rids: list[str]) -> dict[str, float]:
                     at.setdefault(t["request_id"], {})[f"{side} {name}"] = start + ms
     offsets: dict[str, list[float]] = {}
     for events in at.values():
-        if "P send_ready" in events:
+        if origin in events:
             for name, t in events.items():
-                offsets.setdefault(name, []).append(t - events["P send_ready"])
+                offsets.setdefault(name, []).append(t - events[origin])
     return dict(sorted(((k, round(statistics.median(v), 3)) for k, v in offsets.items()), key=lambda kv: kv[1]))

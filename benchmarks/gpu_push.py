@@ -381,6 +381,11 @@ def layerwise_compare(sizes: list[int], total_blocks: int, repeats: int, sleep_c
                     out[(mode, path, n)] = statistics.median(after)
                     print(f"  {path:9s} {mode:9s} {n:5d} blocks: RecvDone {out[(mode, path, n)] * 1e3:8.3f} ms "
                           f"after the pass's end (p90 {np.percentile(after, 90) * 1e3:.3f})", flush=True)
+                    if mode == "layerwise":  # what follows P's last layer seen final, in both daemons
+                        rids = [f"{mode}-{n}-{rep}" for rep in range(1, repeats + 1)]
+                        spread = timeline_medians(p_daemon, d_daemon, rids, origin="P prefill_done")
+                        out[(mode, path, n, "timeline")] = spread
+                        print("    " + ", ".join(f"{k} {v:.3f}" for k, v in spread.items() if v >= 0), flush=True)
                 out[(mode, path, "parts")] = p_daemon.metric("pushsvc_write_parts_total")
                 out[(mode, path, "copies")] = p_daemon.metric("pushsvc_ipc_copies_total")
                 out[(mode, path, "p_cpu_s")] = CpuMeter.delta(cpu0, meter.snapshot()).get("P/root", 0.0)
@@ -484,7 +489,9 @@ def main() -> None:
             {"layer_cycles": args.layer_cycles, "repeats": args.repeats, "poll_spin_s": args.poll_spin_s,
              "rows": rows, "write_parts": {col: got[(*key, "parts")] for col, key in cols.items()},
              "ipc_copies": {col: got[(*key, "copies")] for col, key in cols.items()},
-             "p_daemon_cpu_s": {col: got[(*key, "p_cpu_s")] for col, key in cols.items()}}, indent=2))
+             "p_daemon_cpu_s": {col: got[(*key, "p_cpu_s")] for col, key in cols.items()},
+             "timelines_after_prefill_done_ms": {f"{path} {n}": got[("layerwise", path, n, "timeline")]
+                                                 for path in paths for n in sizes}}, indent=2))
         return
     if args.phases:
         push = daemon_push(sizes, total, patterns, args.repeats, args.small, log_level="debug",
