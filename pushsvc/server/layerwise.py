@@ -239,17 +239,16 @@ class Layerwise:
         if isinstance(layered, LayerCopy):
             self._copy_more(rank, write, layered, now)
             return
-        rid = write.match.request_id
-        handle, xstate, failed = layered.post_final(rank.agent)
+        earlier = [rank.agent.state(h) for h in write.handles]
+        handles, xstates, failed = layered.post_final(rank.agent, write.remote_agent)
         if failed:
             write.failed = ("write_submit_failed", failed)
-        elif handle is not None:
-            write.handles.append(handle)
+        if handles:
+            write.handles.extend(handles)
             write.posted_at = now
-            self._metrics.write_parts.inc()
-            self._timelines.mark(rank, SEND, rid, "write_posted")
-        earlier = write.handles[:-1] if handle is not None else write.handles
-        self._settle(rank, write, [rank.agent.state(h) for h in earlier] + ([xstate] if handle is not None else []))
+            self._metrics.write_parts.inc(len(handles))
+            self._timelines.mark(rank, SEND, write.match.request_id, "write_posted")
+        self._settle(rank, write, earlier + xstates)
         self._wake()
 
     def _copy_more(self, rank: Rank, write: Write, copy: LayerCopy, now: float) -> None:
@@ -279,7 +278,8 @@ class Layerwise:
 
     def complete(self, rank: Rank, write: Write) -> None:
         """All of a layer-wise WRITE landed: D hears of it (the digests first, in verify
-        mode), then gets the completion, as a notification of its own."""
+        mode), then gets the completion, as a notification of its own (a WRITE in parts
+        had each part's go with it: D counted them)."""
         layered = write.layered
         assert layered is not None
         reg = write.match.registration.reg
@@ -288,6 +288,8 @@ class Layerwise:
         peer = self._peers.find_agent(write.remote_agent)
         if peer is not None:
             self._peers.send(peer, write_started(rank, reg, write.nbytes, digests))
+        if isinstance(layered, LayerPost) and layered.parts > 1:
+            return
         try:
             rank.agent.send_notif(write.remote_agent, notif.encode_completion(reg.request_id, rank.tp_size))
         except TransferError as exc:

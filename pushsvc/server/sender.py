@@ -289,7 +289,11 @@ class Sender:
         # WRITE over shared memory may complete inside this very call.
         started = time.perf_counter()
         if pending is not None:
-            post = LayerPost(pending, push.plan, push.local, rank.remotes.dlist(target.agent_name), push.descs)
+            # Into a landing D, in parts of whole layers that D copies out as they land.
+            parts = pending.map.parts() if (target.parts and peer.minor >= pp.PARTS_MINOR and target.members == 1
+                                            and push.plan.region_count == pending.map.regions) else 1
+            post = LayerPost(pending, push.plan, push.local, rank.remotes.dlist(target.agent_name), push.descs,
+                             parts, reg.request_id, rank.tp_size)
             self.layerwise.begin(rank, match, peer, target.agent_name, post, self._now(), started)
             return
         self._timelines.mark(rank, SEND, match.request_id, "write_planned")

@@ -20,7 +20,7 @@ from pushsvc.server.ranks import Rank, RankMemory
 from pushsvc.server.verify import digest_memory
 from pushsvc.state.landing import parts_for
 from pushsvc.state.layerwise import Progress, postable
-from pushsvc.state.layout import Layout, WritePlan, plan_write, slice_cuts, split_plan
+from pushsvc.state.layout import Layout, WritePlan, part_regions, plan_write, slice_cuts, split_plan
 from pushsvc.state.producer import Match
 
 if TYPE_CHECKING:
@@ -42,17 +42,26 @@ def _try_write(agent: Agent, local: DListHandle, src: np.ndarray, remote: DListH
 @dataclass(eq=False)
 class LayerPost:
     """A matched layer-wise request's WRITE: planned whole, posted as its layers become
-    final."""
+    final. Into a D that copies parts out of a landing buffer as they land
+    (``AgentInfo.parts``), in ``parts`` parts of whole layers (``LayerMap.parts``), each
+    posted once its layers are final, with its part notification: D copies each out while
+    later layers compute. Else without a notification, the completion sent once all landed."""
 
     progress: Progress
     plan: WritePlan
     local: DListHandle
     remote: DListHandle
     descs: np.ndarray  # the source's descriptor table (P's digests, in verify mode, are over it)
-    posted: np.ndarray = field(init=False)  # per region the plan numbers: its pairs went
+    parts: int = 1
+    note_id: str = ""  # D's request id, for the parts' notifications
+    tp_size: int = 1
+    posted: np.ndarray = field(init=False)  # per region the plan numbers (or per part): its pairs went
 
     def __post_init__(self) -> None:
-        self.posted = np.diff(self.plan.edges) == 0  # a region without pairs has nothing to post
+        if self.parts > 1:
+            self.posted = np.zeros(self.parts, dtype=bool)  # a part without pairs still says it landed
+        else:
+            self.posted = np.diff(self.plan.edges) == 0  # a region without pairs has nothing to post
 
     @property
     def all_posted(self) -> bool:
@@ -70,21 +79,49 @@ class LayerPost:
         """P's digests of the source (verify mode): taken once every region is final."""
         return digest_memory(self.descs, self.plan.src_indices, memory.vram)
 
-    def post_final(self, agent: Agent) -> tuple[XferHandle | None, XferState, str]:
-        """Post the descriptors that are final and not posted yet, as one WRITE without a
-        notification: its handle (None if there was nothing to post), its first state, and
-        why it could not be posted ("" if it was)."""
+    def post_final(self, agent: Agent, remote_agent: str) -> tuple[list[XferHandle], list[XferState], str]:
+        """Post the descriptors that are final and not posted yet: the handles posted (none
+        if nothing was final), their first states, and why a post failed ("" if none did;
+        the posts before it stand)."""
+        if self.parts > 1:
+            return self._post_parts(agent, remote_agent)
         ready = postable(self.progress.final, self.posted)
         if not len(ready):
-            return None, XferState.DONE, ""
+            return [], [], ""
         edges = self.plan.edges  # region r's pairs: plan[edges[r]:edges[r + 1]]
         runs = [slice(edges[r], edges[r + 1]) for r in ready.tolist()]
         src = np.concatenate([self.plan.src_indices[run] for run in runs])
         dst = np.concatenate([self.plan.dst_indices[run] for run in runs])
         handle, state, error = _try_write(agent, self.local, src, self.remote, dst, b"")
-        if handle is not None:
-            self.posted[ready] = True
-        return handle, state, error
+        if handle is None:
+            return [], [], error
+        self.posted[ready] = True
+        return [handle], [state], ""
+
+    def _post_parts(self, agent: Agent, remote_agent: str) -> tuple[list[XferHandle], list[XferState], str]:
+        handles: list[XferHandle] = []
+        states: list[XferState] = []
+        edges, regions = self.plan.edges, len(self.plan.edges) - 1
+        for i in np.flatnonzero(~self.posted).tolist():
+            part = part_regions(regions, self.parts, i)
+            if not self.progress.final[part].all():
+                continue
+            run = slice(edges[part.start], edges[part.stop])
+            note = notif.encode_part(self.note_id, self.tp_size, i, self.parts)
+            if run.start == run.stop:  # D registered no block of these regions' group
+                try:
+                    agent.send_notif(remote_agent, note)
+                except TransferError as exc:
+                    return handles, states, str(exc)
+            else:
+                handle, state, error = _try_write(agent, self.local, self.plan.src_indices[run], self.remote,
+                                                  self.plan.dst_indices[run], note)
+                if handle is None:
+                    return handles, states, error
+                handles.append(handle)
+                states.append(state)
+            self.posted[i] = True
+        return handles, states, ""
 
 
 @dataclass(eq=False)

@@ -16,7 +16,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pushsvc.state.layout import part_regions
 from pushsvc.state.stages import LayerKey
+
+MAX_LAYER_PARTS = 32  # a part notification's limit (protocol/notif.py ``MAX_PARTS``)
 
 
 class LayerMap:
@@ -35,10 +38,36 @@ class LayerMap:
             for layer in need:
                 by_layer[layer].append(r)
         self.regions_of = tuple(tuple(rs) for rs in by_layer)  # the regions each layer is part of
+        self._parts: dict[int, int] = {}  # ``parts``, by its argument
 
     @property
     def layers(self) -> int:
         return len(self.names)
+
+    def parts(self, max_parts: int = MAX_LAYER_PARTS) -> int:
+        """Into how many parts a layer-wise WRITE into a landing D may go so that every
+        part (``part_regions``: the split D copies by) is the regions of whole layers,
+        each part made final by its own layers alone: the most that divides the layers,
+        up to ``max_parts``; 1 where no split above 1 is (a region of several layers, or
+        of none, across a cut; regions spread unevenly over the layers)."""
+        found = self._parts.get(max_parts)
+        if found is None:
+            found = self._parts[max_parts] = next(
+                (k for k in range(min(self.layers, max_parts), 1, -1) if self._splits(k)), 1)
+        return found
+
+    def _splits(self, parts: int) -> bool:
+        if self.layers % parts:
+            return False
+        per = self.layers // parts
+        for i in range(parts):
+            layers = range(i * per, (i + 1) * per)
+            regions = part_regions(self.regions, parts, i)
+            if sorted({r for layer in layers for r in self.regions_of[layer]}) != list(regions):
+                return False
+            if any(not self.needs[r] or not all(n in layers for n in self.needs[r]) for r in regions):
+                return False
+        return True
 
 
 class Progress:

@@ -217,6 +217,76 @@ async def test_a_gpu_layer_goes_only_once_its_event_says_its_kernels_ran() -> No
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("verify", [False, True])
+async def test_into_a_landing_d_each_layer_goes_as_a_part_that_d_copies_out_as_it_lands(verify: bool) -> None:
+    """D's KV is on the (fake) GPU with a landing buffer and P does not copy into it
+    (``ipc_push`` off): each layer is WRITten into D's landing slots as a part of its own,
+    with its part notification, so D copies it into its worker's blocks while later
+    layers are not final yet; the last part completes the push (verify: with P's digests,
+    sent after it)."""
+    async with layer_pair(gpu=True, same_host=True, ipc_push="off", verify=verify) as (p, d, pw, dw):
+        p_blocks, d_blocks = [2, 5, 0], [9, 1, 4]
+        recv_into(p, dw, "lp", d_blocks)
+        await pushregs_at(p)
+        pw.send(wp.SendStart(request_id="lp", block_ids=[p_blocks], step=3))
+        for layer in range(LAYERS):
+            pw.compute(layer, p_blocks, salt=80 + layer)
+            pw.events[layer].record()
+            pw.send(wp.LayerSaved(step=3, layer=layer))
+            await pw.ping(layer)
+            pw.events[layer].finish()
+            await wait_until(lambda: landed(pw, dw, p_blocks, d_blocks, layer), f"layer {layer} in D's blocks")
+            assert all(untouched(dw, d_blocks, n) for n in range(layer + 1, LAYERS))
+            assert metric(d, "pushsvc_notifications_total", kind="part") == min(layer + 1, LAYERS - 1)
+        assert await dw.wait_for(wp.RecvDone, "lp")
+        assert await pw.wait_for(wp.SendDone, "lp")
+        assert others_untouched(dw, d_blocks)
+        assert metric(p, "pushsvc_write_parts_total") == LAYERS
+        assert metric(d, "pushsvc_landing_copies_total") == LAYERS
+        assert metric(d, "pushsvc_verify_total", result="identical") == (1 if verify else 0)
+        pw.events[-1].record()
+        pw.send(wp.StepSaved(step=3))
+        pw.events[-1].finish()
+        await assert_tables_empty(p, d)
+        await dw.quiet_for(0.05)  # the parts were all D heard: no completion after them
+        assert metric(d, "pushsvc_notifications_total", kind="late_completion") == 0
+        assert metric(d, "pushsvc_malformed_inputs_total", source="notification", reason="part") == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("who", ["p_evicts", "p_worker_leaves", "d_withdraws"])
+async def test_a_push_in_layer_parts_stopped_mid_step_copies_nothing_more_and_frees_the_slots(who: str) -> None:
+    async with layer_pair(gpu=True, same_host=True, ipc_push="off") as (p, d, pw, dw):
+        p_blocks, d_blocks = [1, 6], [3, 11]
+        recv_into(p, dw, "x", d_blocks)
+        await pushregs_at(p)
+        pw.send(wp.SendStart(request_id="x", block_ids=[p_blocks], step=4))
+        pw.compute(0, p_blocks, salt=17)
+        pw.events[0].record()
+        pw.send(wp.LayerSaved(step=4, layer=0))
+        await pw.ping(0)
+        pw.events[0].finish()
+        await wait_until(lambda: landed(pw, dw, p_blocks, d_blocks, 0), "layer 0 copied out of D's landing slots")
+        await stop_mid_step(who, pw, dw, "x", d_blocks)
+        if who != "p_worker_leaves":
+            for layer in (1, 2, 3):  # later layers become final: none of them may reach D now
+                pw.compute(layer, p_blocks, salt=40)
+                pw.events[layer].record()
+                pw.send(wp.LayerSaved(step=4, layer=layer))
+                pw.events[layer].finish()
+            pw.events[-1].record()
+            pw.send(wp.StepSaved(step=4))
+            pw.events[-1].finish()
+            await pw.ping(1)
+            await dw.quiet_for(0.05)
+        assert all(untouched(dw, d_blocks, layer) for layer in (1, 2, 3))
+        assert others_untouched(dw, d_blocks)
+        assert metric(p, "pushsvc_write_parts_total") == 1
+        await assert_tables_empty(p, d)
+        await wait_until(lambda: d.service.receiver.landing.slot_counts()["used"] == 0, "D's landing slots back")
+
+
+@pytest.mark.asyncio
 async def test_the_step_end_on_a_gpu_waits_for_its_own_event() -> None:
     """Layers without a LayerSaved are final at the step's end, which on a GPU is when the
     event recorded after the forward pass is done, not when StepSaved arrives."""

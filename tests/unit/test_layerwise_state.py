@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pushsvc.state.layerwise import LayerMap, Progress, postable
+from pushsvc.state.layout import part_regions
 from pushsvc.state.stages import keys
 
 
@@ -59,3 +60,26 @@ def test_saving_every_layer_in_any_order_posts_each_descriptor_exactly_once(laye
         posted[ready] = True
     assert progress.complete and posted.all()
     assert sorted(went) == list(range(len(plan_regions))), "each descriptor posted exactly once"
+
+
+def test_a_write_into_a_landing_d_goes_in_parts_of_whole_layers_where_the_split_allows() -> None:
+    """``LayerMap.parts``: the most parts, up to the notification's 32, that divide the
+    layers so that each part (``part_regions``, the split D copies by) is exactly the
+    regions of its layers, made final by them alone; else 1."""
+    def layer_map(names: list[list[str]]) -> LayerMap:
+        return LayerMap(keys(names))
+
+    kv = [[f"l{i}"] for i in range(32) for _ in "kv"]  # K and V regions per layer
+    assert layer_map(kv).parts() == 32
+    assert layer_map([[f"l{i}"] for i in range(80)]).parts() == 20, "80 layers: 4 a part"
+    assert layer_map([[f"l{i}"] for i in range(48)]).parts(8) == 8
+    assert layer_map([[f"l{i}"] for i in range(61)]).parts() == 1, "no divisor of 61 up to 32"
+    assert layer_map([["a", "b"]]).parts() == 1, "one region of every layer (cross-layer)"
+    assert layer_map([["a"], ["b"], []]).parts() == 1, "a region final only at the step's end"
+    assert layer_map([["a"], ["a"], ["b"]]).parts() == 1, "layers of unequal regions"
+    assert layer_map([["a"], ["b"], ["b", "c"], ["c"]]).parts() == 1, "a region across the cut"
+    assert layer_map([["a"]]).parts() == 1
+    layers = layer_map([[f"l{i}"] for i in range(80) for _ in "kv"])
+    for i in range(layers.parts()):
+        assert list(part_regions(layers.regions, layers.parts(), i)) == [
+            r for layer in range(4 * i, 4 * i + 4) for r in layers.regions_of[layer]]
