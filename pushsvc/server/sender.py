@@ -289,8 +289,10 @@ class Sender:
         # WRITE over shared memory may complete inside this very call.
         started = time.perf_counter()
         if pending is not None:
-            # Into a landing D, in parts of whole layers that D copies out as they land.
+            # Into a landing D, in parts of whole layers that D copies out as they land (one
+            # source of the request's blocks: not a joint agent, not one of several stages).
             parts = pending.map.parts() if (target.parts and peer.minor >= pp.PARTS_MINOR and target.members == 1
+                                            and rank.stages == 1
                                             and push.plan.region_count == pending.map.regions) else 1
             post = LayerPost(pending, push.plan, push.local, rank.remotes.dlist(target.agent_name), push.descs,
                              parts, reg.request_id, rank.tp_size)
