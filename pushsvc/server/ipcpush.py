@@ -241,19 +241,15 @@ class LayerCopy:
     def logical_blocks(self) -> int:
         return self.plan.pairs.logical_blocks
 
-    @property
-    def ready(self) -> bool:
-        """Some region is final and not copied yet."""
-        return bool((self.progress.final & ~self.copied).any())
+    def ready(self) -> np.ndarray:
+        """The regions that are final and not copied yet."""
+        return np.flatnonzero(self.progress.final & ~self.copied)
 
-    def launch_final(self) -> tuple[list[CopyJob], str]:
-        """Launch the copies of the regions that are final and not copied yet: one per KV
-        group and run of adjacent regions. The jobs launched, and why one could not be ("" if
-        none failed; what failed is not marked copied, and the push fails)."""
-        ready = np.flatnonzero(self.progress.final & ~self.copied)
+    def launch(self, ready: np.ndarray) -> tuple[list[CopyJob], str]:
+        """Launch the copies of ``ready`` (``ready()``): one per KV group and run of
+        adjacent regions. The jobs launched, and why one could not be ("" if none failed;
+        what failed is not marked copied, and the push fails)."""
         jobs: list[CopyJob] = []
-        if not len(ready):
-            return jobs, ""
         copier = self.plan.target.copier
         for group, src, dst in self.plan.pairs.groups:
             for entries in entry_runs(copier.plan, group, ready):

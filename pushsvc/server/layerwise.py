@@ -5,9 +5,11 @@ settles the WRITEs; the pure part is ``state/layerwise.py``. See docs/architectu
 
 A ``SendStart`` puts the request into its step here; ``LayerSaved`` and ``StepSaved`` say
 which of the step's layers are final. A request matched meanwhile gets a ``LayerPost``
-on its ``Write``: the whole WRITE planned once, posted piece by piece, without a
-notification, as its source regions become final. Once every piece is posted and has
-landed, D hears ``WriteStarted`` (with the digests in verify mode) and the completion.
+on its ``Write``: the whole WRITE planned once, posted piece by piece as its source
+regions become final, without a notification (into a landing D, in parts of whole
+layers, each with its part notification). Once every piece is posted and has landed, D
+hears ``WriteStarted`` (with the digests in verify mode) and the completion (after parts:
+none more).
 Once the step ended, every request of it is complete and the step is forgotten (a
 request matched later is pushed whole). A same-host push gets a ``LayerCopy`` instead
 (``server/ipcpush.py``): its copies into D's KV are launched as the layers become final,
@@ -239,7 +241,7 @@ class Layerwise:
         if isinstance(layered, LayerCopy):
             self._copy_more(rank, write, layered, now)
             return
-        earlier = [rank.agent.state(h) for h in write.handles]
+        earlier = len(write.handles)
         handles, xstates, failed = layered.post_final(rank.agent, write.remote_agent)
         if failed:
             write.failed = ("write_submit_failed", failed)
@@ -248,18 +250,21 @@ class Layerwise:
             write.posted_at = now
             self._metrics.write_parts.inc(len(handles))
             self._timelines.mark(rank, SEND, write.match.request_id, "write_posted")
-        self._settle(rank, write, earlier + xstates)
+        # The parts posted before are checked after this post: one that landed meanwhile
+        # gets its notification sent now (``post_parts``).
+        self._settle(rank, write, [rank.agent.state(h) for h in write.handles[:earlier]] + xstates)
         self._wake()
 
     def _copy_more(self, rank: Rank, write: Write, copy: LayerCopy, now: float) -> None:
         """Launch the copies of what is final and not copied yet, if D may still be written."""
-        if copy.ready:
+        ready = copy.ready()
+        if len(ready):
             failure = launch_check(rank, self._peers.find_agent(write.remote_agent), copy, write.remote_agent)
             if failure is not None:
                 self.stop(rank, write, failure)
                 return
             first = not copy.copied.any()
-            jobs, error = copy.launch_final()
+            jobs, error = copy.launch(ready)
             if jobs:
                 write.copies.extend(jobs)
                 write.posted_at = now

@@ -153,12 +153,12 @@ class Registrar:
             raise HandshakeError(f"peer {peer.engine_id} has no rank {r} of TP {p_tp}"
                                  + (f" in pipeline stage {stage}" if stage else ""))
         stages = [[peer.agent_for(r, p_tp, s) for r in ranks] for s in range(_stages(ranks, p_tp, peer))]
-        if len(stages) > 1 and self._landing.tracks(rank, entry.request_id):
-            # Its parts are counted per request, not per source: a second stage's WRITE would
-            # count as the first's again, and the first's completion copy the whole buffer.
-            raise HandshakeError(f"P {peer.engine_id} runs {len(stages)} pipeline stages: a GPU landing buffer "
-                                 "takes KV from one P rank only")
         if len(stages) > 1:
+            if self._landing.tracks(rank, entry.request_id):
+                # Its parts are counted per request, not per source: a second stage's WRITE would
+                # count as the first's again, and the first's completion copy the whole buffer.
+                raise HandshakeError(f"P {peer.engine_id} runs {len(stages)} pipeline stages: a GPU landing "
+                                     "buffer takes KV from one P rank only")
             assert rank.memory is not None
             why = coverage(keys(r.layer_names for r in rank.memory.regions),
                            [keys(r.layer_names for r in s[0].regions) for s in stages if s[0] is not None])

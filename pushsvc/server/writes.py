@@ -20,7 +20,7 @@ from pushsvc.server.ranks import Rank, RankMemory
 from pushsvc.server.verify import digest_memory
 from pushsvc.state.landing import parts_for
 from pushsvc.state.layerwise import Progress, postable
-from pushsvc.state.layout import Layout, WritePlan, part_regions, plan_write, slice_cuts, split_plan
+from pushsvc.state.layout import Layout, WritePlan, part_run, plan_write, slice_cuts, split_plan
 from pushsvc.state.producer import Match
 
 if TYPE_CHECKING:
@@ -37,6 +37,20 @@ def _try_write(agent: Agent, local: DListHandle, src: np.ndarray, remote: DListH
     except TransferError as exc:
         return None, XferState.ERR, str(exc)
     return handle, state, ""
+
+
+def _post_part(agent: Agent, local: DListHandle, src: np.ndarray, remote: DListHandle, dst: np.ndarray,
+               remote_agent: str, note: bytes) -> tuple[XferHandle | None, XferState, str]:
+    """Post one part of a WRITE with its notification (``_try_write``). A part without
+    pairs (D registered no block of its regions' group) sends the notification alone: no
+    handle, state ``DONE``. Not posted: no handle, state ``ERR``, and why."""
+    if len(src):
+        return _try_write(agent, local, src, remote, dst, note)
+    try:
+        agent.send_notif(remote_agent, note)
+    except TransferError as exc:
+        return None, XferState.ERR, str(exc)
+    return None, XferState.DONE, ""
 
 
 @dataclass(eq=False)
@@ -101,23 +115,16 @@ class LayerPost:
     def _post_parts(self, agent: Agent, remote_agent: str) -> tuple[list[XferHandle], list[XferState], str]:
         handles: list[XferHandle] = []
         states: list[XferState] = []
-        edges, regions = self.plan.edges, len(self.plan.edges) - 1
         for i in np.flatnonzero(~self.posted).tolist():
-            part = part_regions(regions, self.parts, i)
+            part, run = part_run(self.plan, self.parts, i)
             if not self.progress.final[part].all():
                 continue
-            run = slice(edges[part.start], edges[part.stop])
             note = notif.encode_part(self.note_id, self.tp_size, i, self.parts)
-            if run.start == run.stop:  # D registered no block of these regions' group
-                try:
-                    agent.send_notif(remote_agent, note)
-                except TransferError as exc:
-                    return handles, states, str(exc)
-            else:
-                handle, state, error = _try_write(agent, self.local, self.plan.src_indices[run], self.remote,
-                                                  self.plan.dst_indices[run], note)
-                if handle is None:
-                    return handles, states, error
+            handle, state, error = _post_part(agent, self.local, self.plan.src_indices[run], self.remote,
+                                              self.plan.dst_indices[run], remote_agent, note)
+            if handle is None and state is XferState.ERR:
+                return handles, states, error
+            if handle is not None:
                 handles.append(handle)
                 states.append(state)
             self.posted[i] = True
@@ -258,13 +265,12 @@ def post_parts(agent: Agent, remote: DListHandle, remote_agent: str, push: PushP
     parts = push.parts
     for i, piece in enumerate(split_plan(push.plan, parts)):
         note = notif.encode_part(rid, tp_size, i, parts) if parts > 1 else notif.encode_completion(rid, tp_size)
-        try:
-            if not len(piece.src_indices):  # D registered no block of these regions' group
-                agent.send_notif(remote_agent, note)
-                continue
-            handle, xstate = agent.write(push.local, piece.src_indices, remote, piece.dst_indices, note)
-        except TransferError as exc:
-            return handles, states, str(exc)
+        handle, xstate, error = _post_part(agent, push.local, piece.src_indices, remote, piece.dst_indices,
+                                           remote_agent, note)
+        if handle is None:
+            if xstate is XferState.ERR:
+                return handles, states, error
+            continue
         for j, earlier in enumerate(states):
             if earlier is XferState.PROC:
                 states[j] = agent.state(handles[j])

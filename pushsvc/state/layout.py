@@ -345,6 +345,13 @@ def pair_blocks(src: Layout, dst: Layout, src_blocks: list[list[int]], dst_block
     return BlockPairs(tuple(groups), nbytes, logical)
 
 
+def part_run(plan: WritePlan, parts: int, i: int) -> tuple[range, slice]:
+    """Part ``i`` of ``parts`` of ``plan``: its regions (``part_regions``) and the run of
+    the plan's pairs they hold (the plan lists its pairs in region order)."""
+    part = part_regions(plan.region_count, parts, i)
+    return part, slice(int(plan.edges[part.start]), int(plan.edges[part.stop]))
+
+
 def split_plan(plan: WritePlan, parts: int) -> list[WritePlan]:
     """Cut ``plan`` into ``parts`` WRITEs by region: part ``i`` carries every pair of the
     regions ``part_regions(region_count, parts, i)``. D cuts its copies the same way.
@@ -357,8 +364,8 @@ def split_plan(plan: WritePlan, parts: int) -> list[WritePlan]:
     regions, edges = plan.region_count, plan.edges
     out = []
     for i in range(parts):
-        part = part_regions(regions, parts, i)
-        a, b = int(edges[part.start]), int(edges[part.stop])
+        part, run = part_run(plan, parts, i)
+        a, b = run.start, run.stop
         mine = np.zeros(regions, dtype=np.int64)
         mine[part.start:part.stop] = plan.region_bytes[part.start:part.stop]
         out.append(WritePlan(plan.src_indices[a:b], plan.dst_indices[a:b], int(mine.sum()),

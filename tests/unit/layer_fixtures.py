@@ -23,25 +23,29 @@ P_BLOCKS, D_BLOCKS = 8, 12
 
 
 class LayerWorker(Worker):
-    """A worker whose regions are the K and V of ``LAYERS`` named layers, in one buffer;
-    with ``gpu``, its KV is (fake) device memory exported by handle, and ``events`` are
-    its layer events (one per layer and one for the forward pass's end)."""
+    """A worker whose regions are the K and V of ``LAYERS`` named layers (or of
+    ``layers``: a pipeline stage's), in one buffer; with ``gpu``, its KV is (fake) device
+    memory exported by handle, and ``events`` are its layer events (one per layer and one
+    for the forward pass's end). ``kw`` goes to ``Worker`` (a stage's ``pp_rank``)."""
 
-    def __init__(self, daemon, role, gpu: FakeDeviceMemory | None = None, events: int = LAYERS + 1) -> None:
-        super().__init__(daemon, role)
+    def __init__(self, daemon, role, gpu: FakeDeviceMemory | None = None, events: int = LAYERS + 1,
+                 layers: list[str] | None = None, **kw) -> None:
+        super().__init__(daemon, role, **kw)
         self.gpu = gpu
         self.events: list[FakeEvent] = []
         self._event_count = events
+        self.layers = layers or [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
 
     async def start_layers(self, blocks: int, seed: int) -> wp.KVRegistered:
         await self.connect()
         self.num_blocks, self.block_len = blocks, BLOCK
-        self.buffer = SharedBuffer.create(2 * LAYERS * blocks * BLOCK)
+        count = 2 * len(self.layers)
+        self.buffer = SharedBuffer.create(count * blocks * BLOCK)
         data = np.random.default_rng(seed).integers(0, 256, self.buffer.size, dtype=np.uint8).tobytes()
         ctypes.memmove(self.buffer.address, data, len(data))
         self.initial = self.snapshot()
         regions = [wp.Region(buffer=0, offset=r * blocks * BLOCK, block_len=BLOCK, num_blocks=blocks,
-                             layer_names=[f"model.layers.{r // 2}.self_attn"]) for r in range(2 * LAYERS)]
+                             layer_names=[self.layers[r // 2]]) for r in range(count)]
         if self.gpu is None:
             return await asyncio.to_thread(self.client.register_kv, [self.buffer.fd], regions)
         handle = self.gpu.export(self.buffer.address, self.buffer.size)

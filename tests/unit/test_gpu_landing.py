@@ -7,19 +7,17 @@ The same flows run on a real GPU in ``tests/gpu/``."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
 
 import numpy as np
 import pytest
-from daemon_fixtures import (BLOCK_LEN, D_ENGINE, P_ENGINE, Worker, expected_after_push, metric, running_daemon,
-                             wait_until)
+from daemon_fixtures import D_ENGINE, P_ENGINE, expected_after_push, metric, running_daemon, wait_until
 from gpu_fixtures import BIG_BLOCK, UUID, GpuWorker, gpu_pair
+from layer_fixtures import LayerWorker
 
 from pushsvc.devmem.fake import FakeDeviceMemory
 from pushsvc.engine.fake import FakeEngine
 from pushsvc.errors import DaemonRefused
 from pushsvc.protocol import worker as wp
-from pushsvc.shm import SharedBuffer
 
 
 def _registrations(pair) -> dict[str, list[list[int]]]:
@@ -325,28 +323,6 @@ def test_a_copy_moves_what_its_slots_were_mapped_to_and_nothing_unmapped() -> No
         copier.launch(run, 1, 2)
 
 
-class _StageWorker(Worker):
-    """A worker of one pipeline stage (or D's, of every layer): K and V regions per layer
-    it holds, named by layer, in (fake) device memory."""
-
-    def __init__(self, daemon, role: wp.Role, devmem: FakeDeviceMemory, layers: list[str], **kw) -> None:
-        super().__init__(daemon, role, **kw)
-        self.devmem, self.layers = devmem, layers
-
-    async def start_stage(self, blocks: int, seed: int) -> None:
-        await self.connect()
-        self.num_blocks, self.block_len = blocks, BLOCK_LEN
-        self.buffer = SharedBuffer.create(2 * len(self.layers) * blocks * BLOCK_LEN)
-        data = np.random.default_rng(seed).integers(0, 256, self.buffer.size, dtype=np.uint8).tobytes()
-        ctypes.memmove(self.buffer.address, data, len(data))
-        self.initial = self.snapshot()
-        regions = [wp.Region(buffer=0, offset=r * blocks * BLOCK_LEN, block_len=BLOCK_LEN, num_blocks=blocks,
-                             layer_names=[self.layers[r // 2]]) for r in range(2 * len(self.layers))]
-        handle = self.devmem.export(self.buffer.address, self.buffer.size)
-        memory = wp.CudaIpcBuffers(device_uuid=UUID, buffers=[wp.CudaIpcBuffer(handle=handle, size=self.buffer.size)])
-        await asyncio.to_thread(self.client.register_kv, [], regions, memory=memory)
-
-
 @pytest.mark.asyncio
 async def test_a_pipeline_parallel_p_into_a_landing_buffer_fails_the_request_at_once_naming_it() -> None:
     """A landing buffer counts a request's parts, not their sources: two stages' WRITEs
@@ -357,12 +333,12 @@ async def test_a_pipeline_parallel_p_into_a_landing_buffer_fails_the_request_at_
     devmem.add_device(UUID)
     async with running_daemon(fake, P_ENGINE, devmem=devmem, ipc_push="off") as p, \
             running_daemon(fake, D_ENGINE, devmem=devmem, landing_mib=1, ipc_push="off") as d:
-        workers = [_StageWorker(p, "producer", devmem, ["l0"], pp_rank=0, pp_size=2),
-                   _StageWorker(p, "producer", devmem, ["l1"], pp_rank=1, pp_size=2),
-                   _StageWorker(d, "consumer", devmem, ["l0", "l1"])]
+        workers = [LayerWorker(p, "producer", gpu=devmem, events=0, layers=["l0"], pp_rank=0, pp_size=2),
+                   LayerWorker(p, "producer", gpu=devmem, events=0, layers=["l1"], pp_rank=1, pp_size=2),
+                   LayerWorker(d, "consumer", gpu=devmem, events=0, layers=["l0", "l1"])]
         try:
             for seed, w in enumerate(workers):
-                await w.start_stage(8, seed)
+                await w.start_layers(8, seed)
             stage0, stage1, dw = workers
             dw.send(wp.RegisterRecv(request_id="r", local_block_ids=[[5]], remote_engine_id=P_ENGINE,
                                     remote_host="127.0.0.1", remote_port=p.service.peers.port))
