@@ -221,14 +221,20 @@ class _Proc:
 def _registered(p_daemon, d: "_Proc", rid: str, d_ids: list[int]) -> None:
     """D's worker registers ``rid`` into ``d_ids``; once P's daemon has the registration,
     D's worker waits for it (polling from then on, its reply read by the caller)."""
+    _registered_all(p_daemon, d, {rid: d_ids})
+
+
+def _registered_all(p_daemon, d: "_Proc", requests: dict[str, list[int]]) -> None:
+    """``_registered`` for several requests, registered in one step of D's worker."""
     regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
-    d.call("recv", p_engine="prefill", p_port=p_daemon.side_port, requests=[{"rid": rid, "blocks": d_ids}])
+    d.call("recv", p_engine="prefill", p_port=p_daemon.side_port,
+           requests=[{"rid": rid, "blocks": ids} for rid, ids in requests.items()])
     deadline = time.monotonic() + 10
-    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") <= regs:
+    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") < regs + len(requests):
         if time.monotonic() > deadline:
-            raise RuntimeError("D's registration never reached P")
+            raise RuntimeError("D's registrations never reached P")
         time.sleep(0.001)
-    d.send("wait", rids=[rid], timeout=60, spin=True)
+    d.send("wait", rids=list(requests), timeout=60, spin=True)
     time.sleep(0.002)
 
 
@@ -331,16 +337,18 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
 
 
 def layerwise_compare(sizes: list[int], total_blocks: int, repeats: int, sleep_cycles: int,
-                      paths: tuple[str, ...] = ("landing", "same_host"), spin_s: float = 0.0) -> dict:
+                      paths: tuple[str, ...] = ("landing", "same_host"), spin_s: float = 0.0,
+                      batch: int = 1) -> dict:
     """P's worker runs a forward pass of 32 layers (each keeps the GPU busy
-    ``sleep_cycles``, then writes its layer's KV of the request's blocks); D's worker
-    waits for the KV. Whole-request push: the pass, then ``SendReady``. Layer-wise push:
-    ``SendStart`` before the pass; each layer is posted into D's landing buffer, or copied
-    into a same-host D's KV (``ipc_push``), once its event is done. Timed on the host's
-    clock from the GPU finishing the pass to D's worker seeing ``RecvDone``: what of the
-    transfer is left after the prefill. Keys: (mode, path, blocks), and (mode, path,
-    "parts"), (mode, path, "copies") and (mode, path, "p_cpu_s"): P's daemon's CPU time
-    over the run, warm-ups included."""
+    ``sleep_cycles``, then writes its layer's KV of the requests' blocks) that ends the
+    prefill of ``batch`` requests of each size; D's worker waits for their KV. Whole-request
+    push: the pass, then ``SendReady`` for each. Layer-wise push: ``SendStart`` before the
+    pass; each layer of each request is posted into D's landing buffer, or copied into a
+    same-host D's KV (``ipc_push``), once its event is done. Timed on the host's clock from
+    the GPU finishing the pass to D's worker seeing the last of the batch's ``RecvDone``:
+    what of the transfer is left after the prefill. Keys: (mode, path, blocks), and (mode,
+    path, "parts"), (mode, path, "copies") and (mode, path, "p_cpu_s"): P's daemon's CPU
+    time over the run, warm-ups included."""
     from procs import start_daemon
 
     out: dict = {}
@@ -359,30 +367,35 @@ def layerwise_compare(sizes: list[int], total_blocks: int, repeats: int, sleep_c
             cpu0 = meter.snapshot()
             try:
                 for n in sizes:
-                    p_ids, d_ids = _block_sets(n, total_blocks, "contiguous", n + 7)
                     after = []
                     for rep in range(repeats + 1):
-                        rid, seq = f"{mode}-{n}-{rep}", seq + 1
-                        _registered(p_daemon, d, rid, d_ids)
-                        pass_args = {"blocks": p_ids, "seed": 100 + seq, "sleep_cycles": sleep_cycles}
+                        seq += 1
+                        # Request i of the batch: blocks [i * n, (i + 1) * n) on both sides.
+                        reqs = {f"{mode}-{n}-{rep}" + (f".{i}" if batch > 1 else ""): list(range(i * n, (i + 1) * n))
+                                for i in range(batch)}
+                        _registered_all(p_daemon, d, reqs)
+                        sends = [{"rid": rid, "blocks": ids} for rid, ids in reqs.items()]
+                        pass_args = {"seed": 100 + seq, "sleep_cycles": sleep_cycles}
                         if mode == "layerwise":
-                            done = p.call("forward", rid=rid, step=seq, sync=True, **pass_args)["t"]
+                            done = p.call("forward", requests=sends, step=seq, sync=True, **pass_args)["t"]
                         else:
-                            done = p.call("compute", **pass_args)["t"]
-                            p.call("send", requests=[{"rid": rid, "blocks": p_ids}])
-                        fin = d.reply()["finished"][rid]
-                        if fin["errors"]:
-                            raise RuntimeError(f"{rid}: load failed")
+                            done = p.call("compute", blocks=[b for ids in reqs.values() for b in ids],
+                                          **pass_args)["t"]
+                            p.call("send", requests=sends)
+                        got = d.reply()
+                        if got["missing"] or any(f["errors"] for f in got["finished"].values()):
+                            raise RuntimeError(f"{list(reqs)}: load failed or missing ({got['missing']})")
                         if mode == "layerwise":
-                            p.call("finished", rids=[rid])
-                        p.call("wait", rids=[rid], timeout=60)
+                            p.call("finished", rids=list(reqs))
+                        p.call("wait", rids=list(reqs), timeout=60)
                         if rep:  # the first is a warm-up (and, same-host, the push that makes P map D's KV)
-                            after.append(fin["t"] - done)
+                            after.append(max(f["t"] for f in got["finished"].values()) - done)
                     out[(mode, path, n)] = statistics.median(after)
                     print(f"  {path:9s} {mode:9s} {n:5d} blocks: RecvDone {out[(mode, path, n)] * 1e3:8.3f} ms "
                           f"after the pass's end (p90 {np.percentile(after, 90) * 1e3:.3f})", flush=True)
                     if mode == "layerwise":  # what follows P's last layer seen final, in both daemons
-                        rids = [f"{mode}-{n}-{rep}" for rep in range(1, repeats + 1)]
+                        rids = [f"{mode}-{n}-{rep}" + (f".{i}" if batch > 1 else "")
+                                for rep in range(1, repeats + 1) for i in range(batch)]
                         spread = timeline_medians(p_daemon, d_daemon, rids, origin="P prefill_done")
                         out[(mode, path, n, "timeline")] = spread
                         print("    " + ", ".join(f"{k} {v:.3f}" for k, v in spread.items() if v >= 0), flush=True)
@@ -453,6 +466,8 @@ def main() -> None:
                     help="daemon push only, daemons logging at debug: where each push's time goes")
     ap.add_argument("--layerwise", action="store_true",
                     help="only whole-request against layer-wise push after a simulated forward pass")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="--layerwise: requests of each size whose prefill one forward pass ends")
     ap.add_argument("--layer-cycles", type=int, default=2_000_000,
                     help="--layerwise: GPU cycles each layer is kept busy (~1 ms at 2 GHz)")
     ap.add_argument("--ipc", default="both", choices=["both", "off"],
@@ -470,16 +485,16 @@ def main() -> None:
     print(f"P on cuda:{p_gpu}, D on cuda:{d_gpu}", flush=True)
     sizes = [int(b) for b in args.blocks.split(",")]
     patterns = args.patterns.split(",")
-    total = max(sizes) + 256
+    total = max(sizes) * (args.batch if args.layerwise else 1) + 256
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.layerwise:
         paths = ("landing", "same_host") if args.ipc == "both" else ("landing",)
-        got = layerwise_compare(sizes, total, args.repeats, args.layer_cycles, paths, args.poll_spin_s)
+        got = layerwise_compare(sizes, total, args.repeats, args.layer_cycles, paths, args.poll_spin_s, args.batch)
         cols = {f"{path}_{mode}": (mode, path) for path in paths for mode in ("whole", "layerwise")}
         rows = [{"blocks": n, "mib": n * BLOCK_BYTES >> 20,
                  **{f"{col}_ms": got[(*key, n)] * 1e3 for col, key in cols.items()}} for n in sizes]
-        print("\nRecvDone after the pass's end, ms (medians)")
+        print(f"\nRecvDone after the pass's end, ms (medians; the last of {args.batch} per pass)")
         print("| blocks | MiB | " + " | ".join(f"{path.replace('_', '-')}, {mode}" for mode, path in cols.values())
               + " |")
         print("|---:|---:|" + "---:|" * len(cols))
@@ -487,6 +502,7 @@ def main() -> None:
             print(f"| {r['blocks']} | {r['mib']} | " + " | ".join(f"{r[f'{col}_ms']:.3f}" for col in cols) + " |")
         (out_dir / "gpu_layerwise.json").write_text(json.dumps(
             {"layer_cycles": args.layer_cycles, "repeats": args.repeats, "poll_spin_s": args.poll_spin_s,
+             "batch": args.batch,
              "rows": rows, "write_parts": {col: got[(*key, "parts")] for col, key in cols.items()},
              "ipc_copies": {col: got[(*key, "copies")] for col, key in cols.items()},
              "p_daemon_cpu_s": {col: got[(*key, "p_cpu_s")] for col, key in cols.items()},

@@ -196,16 +196,19 @@ def _run(cmd: dict, worker: PushWorker, kv: KV, finished: dict[str, dict]) -> di
         worker.start_step(StepPlan(sends=sends))
         return {"t": time.perf_counter()}
     if op == "forward":
-        # One step whose forward pass ends the prefill of ``rid`` (layer-wise push): its
-        # SendStart before the pass, then each layer's kernels queued (busy first, then
-        # writing the layer's final KV) and saved (the layer's event recorded behind them,
+        # One step whose forward pass ends the prefill of ``rid`` (or of each of
+        # ``requests``, a batch) with layer-wise push: a SendStart per request before the
+        # pass, then each layer's kernels queued (busy first, then writing the layer's final
+        # KV of every request's blocks) and saved (the layer's event recorded behind them,
         # LayerSaved sent at once), then the pass's end. Nothing here waits for the GPU.
-        plan = StepPlan(layerwise={cmd["rid"]: wp.SendStart(request_id=cmd["rid"], block_ids=[cmd["blocks"]],
-                                                            step=cmd["step"])}, step=cmd["step"])
+        requests = cmd.get("requests") or [{"rid": cmd["rid"], "blocks": cmd["blocks"]}]
+        plan = StepPlan(layerwise={r["rid"]: wp.SendStart(request_id=r["rid"], block_ids=[r["blocks"]],
+                                                          step=cmd["step"]) for r in requests}, step=cmd["step"])
+        blocks = [b for r in requests for b in r["blocks"]]
         worker.begin_step(plan)
         started = time.perf_counter()
         for layer in range(len(kv.tensors)):
-            kv.compute_layer(layer, cmd["blocks"], cmd["seed"] + layer, cmd["sleep_cycles"])
+            kv.compute_layer(layer, blocks, cmd["seed"] + layer, cmd["sleep_cycles"])
             worker.layer_saved(f"model.layers.{layer}.self_attn")
         worker.start_step(plan)
         worker.step_saved()
