@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from helpers import (
+    LEASE_S,
     PD,
     PREFILL_LEG_PARAMS,
     PDOptions,
@@ -44,9 +45,17 @@ SETTLE_S = 15.0  # for what follows a finished request (P's push, the last engin
 LAYERS = 8  # the tiny Llama's: one LayerSaved per layer in each step that ends a prefill
 
 
+# D's watchdog at the daemon's default: this module tests no watchdog, and its load (24
+# prompts of up to 1500 tokens at concurrency 8, P's engine on one shared core at ~350
+# prompt tokens/s) can keep a request queued at P for ~20 s, the other modules' watchdog,
+# while D holds its registration.
+DECODE_WATCHDOG_S = 120.0
+
+
 @pytest.fixture(scope="module")
 def pd_options() -> PDOptions:
-    return PDOptions(prefill_extra={"layerwise_push": True})
+    return PDOptions(flags={"prefill": ("--lease-s", str(LEASE_S)), "decode": ("--watchdog-s", str(DECODE_WATCHDOG_S))},
+                     prefill_extra={"layerwise_push": True})
 
 
 def _p_metric(pd: PD, name: str, **labels: str) -> float:

@@ -29,7 +29,6 @@ from typing import Any
 import pytest
 from conftest import kept_on_failure
 from helpers import (
-    WATCHDOG_S,
     E2EStack,
     Outcome,
     Req,
@@ -55,7 +54,14 @@ from fronts import start_vllm_router  # noqa: E402 - the benchmark of both front
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PEER_TIMEOUT_S = 5.0  # the daemons' default peer timeout: a dead host is noticed within it
-P_LEASE_S = 10.0  # P's blocks no D claimed are released after this
+# P's blocks no D claimed are released after this (the dead D host's test waits for it).
+# Four engines share the host's two cores here, and under load a request can wait in an
+# engine's queue for tens of seconds: with 10 s, a request of the drain test failed 10.8 s
+# in, at about P's lease.
+P_LEASE_S = 30.0
+# D's watchdog at the daemon's default: no test here waits for it, and under load a request
+# waited up to 38 s in P's queue while D held its registration (with 20 s, such requests failed).
+D_WATCHDOG_S = 120.0
 CPUS = {"p1": "0", "p2": "1", "d1": "0", "d2": "1"}  # two engines per core
 SETTLE_S = 30.0
 
@@ -126,7 +132,7 @@ def cluster(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> 
 
         pdaemons = {name: daemon(f"prefill-{name}", hosts[name], "--lease-s", str(P_LEASE_S))
                     for name in ("p1", "p2")}
-        ddaemons = {name: daemon(f"decode-{name}", hosts[name], "--watchdog-s", str(WATCHDOG_S))
+        ddaemons = {name: daemon(f"decode-{name}", hosts[name], "--watchdog-s", str(D_WATCHDOG_S))
                     for name in ("d1", "d2")}
         c = Cluster(hosts, st, refs, reqs, {"Authorization": f"Bearer {token_text}"}, pdaemons, ddaemons, {}, {},
                     None, model_path, tokenizer)  # type: ignore[arg-type]
