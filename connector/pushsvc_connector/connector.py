@@ -131,17 +131,20 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
                              f"{self._worker.client.socket_path} is older")
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        # vLLM binds the step's metadata before the forward pass, but may call
-        # start_load_kv only after it: layer-wise starts must reach the daemon first.
+        # vLLM binds the step's metadata before the forward pass and calls start_load_kv
+        # after it (0.32 starts asynchronous loads once the forward is launched; on a CPU
+        # that is once it ran). What the step tells the daemon goes now: the
+        # layer-wise starts, which must precede the layers, and the step's other messages
+        # (P's finished requests, D's registrations, evictions), which then do not wait
+        # for this step's forward pass.
         super().bind_connector_metadata(connector_metadata)
-        if self._layerwise and self._worker is not None and isinstance(connector_metadata, PushsvcMetadata):
-            self._worker.begin_step(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, PushsvcMetadata):
+            if self._layerwise:
+                self._worker.begin_step(connector_metadata)
+            self._worker.start_step(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if self._worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, PushsvcMetadata):
-                self._worker.start_step(meta)
+        return  # the step's messages went at bind_connector_metadata; P pushes, nothing loads here
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # KV arrives whole, before the request is scheduled on D

@@ -1,7 +1,8 @@
 """Worker side: a thin client of the daemon. No thread, no NIXL agent.
 
-Each engine step, ``start_load_kv`` forwards what the scheduler decided (registrations,
-finished blocks, evictions) with non-blocking sends, and ``get_finished`` drains the
+Each engine step, ``start_step`` forwards what the scheduler decided (registrations,
+finished blocks, evictions) with non-blocking sends when vLLM binds the step's metadata,
+before its forward pass, and ``get_finished`` drains the
 daemon's events with one non-blocking read. Every request handed to the daemon ends in
 exactly one report to vLLM: finished sending (P's blocks can be freed) or finished
 receiving (D's request may run; failed loads are listed by
@@ -238,8 +239,8 @@ class PushWorker:
                 self._done_sending.add(rid)
 
     def begin_step(self, meta: StepPlan) -> None:
-        """Before the step's forward pass: the requests whose prefill ends in it
-        (``SendStart``; vLLM may call ``start_load_kv`` only after the forward pass)."""
+        """Before the step's forward pass, ahead of ``start_step``: the requests whose
+        prefill ends in it (``SendStart``)."""
         self._open_step = None
         for rid, start in meta.layerwise.items():
             # An older daemon, or none: the request is pushed whole once it finished.

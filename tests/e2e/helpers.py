@@ -34,7 +34,11 @@ KV_ELEMENT_BYTES = 4 if vllm_dtype() == "float32" else 2
 
 T = TypeVar("T")
 
-WATCHDOG_S = 20.0  # decode daemon: a registration with no push fails after this
+# Decode daemon: a registration with no push fails after this. Long enough for the modules'
+# loads on a 2-core host without AMX, where vLLM CPU runs bfloat16 and a request can wait
+# 20-40 s in P's queue while D holds its registration (20 s failed such requests); the
+# fault tests that wait for it take that much longer.
+WATCHDOG_S = 60.0
 LEASE_S = 30.0  # prefill daemon: blocks no decoder claimed are released after this
 
 COMPLETIONS = "/v1/completions"
