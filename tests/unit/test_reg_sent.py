@@ -38,6 +38,9 @@ async def _warm(pair) -> None:
     pair.send_ready("cmpl-warm", [7])
     await pair.dw.wait_for(wp.RecvDone, "cmpl-warm")
     await pair.pw.wait_for(wp.SendDone, "cmpl-warm")
+    # D's notice for it may trail the push: counted before a test takes its baseline.
+    await wait_until(lambda: sum(metric(pair.p, SENT, outcome=o) or 0 for o in ("ahead", "awaited")) == 1,
+                     "P to count the warm-up's notice")
 
 
 @pytest.mark.asyncio
