@@ -16,7 +16,7 @@ import tempfile
 from types import SimpleNamespace
 
 import pytest
-from daemon_fixtures import P_ENGINE, daemon_config, metric, wait_until
+from daemon_fixtures import BLOCK_LEN, P_ENGINE, REGIONS, daemon_config, kv_regions, metric, wait_until
 from vllm.config import KVTransferConfig, ParallelConfig
 from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer import kv_transfer_state
@@ -31,11 +31,6 @@ from pushsvc.shm import SharedBuffer
 from pushsvc_connector import PushsvcConnector
 from pushsvc_connector.kvshare import KVShare
 from pushsvc_connector.metadata import PushsvcMetadata
-
-
-def _regions(blocks: int) -> list[wp.Region]:
-    return [wp.Region(buffer=0, offset=r * blocks * 64, block_len=64, num_blocks=blocks,
-                      layer_names=[f"model.layers.{r // 2}.self_attn"]) for r in range(4)]
 
 
 @pytest.fixture
@@ -58,12 +53,12 @@ async def test_a_steps_messages_reach_the_daemon_before_its_forward_pass(base, m
                           kv_role="kv_producer", kv_connector_extra_config={"daemon_socket": daemon.config.socket_path})
     connector = PushsvcConnector(SimpleNamespace(kv_transfer_config=kv, parallel_config=ParallelConfig()),  # type: ignore[arg-type]
                                  KVConnectorRole.WORKER, None)
-    buf = SharedBuffer.create(4 * 8 * 64)
+    buf = SharedBuffer.create(REGIONS * 8 * BLOCK_LEN)
     monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", connector)
     monkeypatch.setattr(runner_kv, "get_forward_context", lambda: None)  # the pass itself is not run here
     try:
         assert connector._worker is not None
-        await asyncio.to_thread(connector._worker.register, KVShare(_regions(8), buffers=[buf]))
+        await asyncio.to_thread(connector._worker.register, KVShare(kv_regions(8), buffers=[buf]))
         meta = PushsvcMetadata(sends={"p1": wp.SendReady(request_id="p1", block_ids=[[1, 2]], match_key="k1")})
         step = SimpleNamespace(kv_connector_metadata=meta, has_sync_kv_loads=False, finished_req_ids=set())
         with KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(step):  # type: ignore[arg-type]
