@@ -143,8 +143,9 @@ def _anchor_target(conn, total_blocks: int, ucx_mode: str = "peer", sgl: bool = 
         if want is None:
             break
         conn.send("armed")
+        wanted = {tag.encode() for tag in ([want] if isinstance(want, str) else want)}
         seen: set[bytes] = set()
-        while want.encode() not in seen:
+        while not wanted <= seen:
             for msgs in agent.notifs().values():
                 seen.update(msgs)
         conn.send(time.perf_counter())
@@ -152,8 +153,15 @@ def _anchor_target(conn, total_blocks: int, ucx_mode: str = "peer", sgl: bool = 
 
 
 def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int,
-                ucx_mode: str = "peer", sgl: bool = False, p_gpu: int = 0, d_gpu: int = 0) -> dict:
+                ucx_mode: str = "peer", sgl: bool = False, p_gpu: int = 0, d_gpu: int = 0,
+                stream: tuple[int, list[int]] = (0, [])) -> dict:
+    """One WRITE at a time of each size and pattern, timed from its post until the target
+    saw its notification; then, for ``stream = (k, sizes)``, ``k`` WRITEs of contiguous
+    blocks posted back to back (request i: blocks ``[i * n, (i + 1) * n)`` on both sides,
+    one notification each), timed from the first post until the target saw all ``k``
+    notifications. Keys: (pattern, n) and ("stream", n)."""
     from nixl_pair import timed_write  # benchmarks/
+    from pushsvc.engine.base import XferState
     from pushsvc.engine.nixl import NixlEngine
     from pushsvc.state.layout import descriptor_table, plan_write
 
@@ -185,6 +193,29 @@ def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeat
                     times.append(max(seen, time.perf_counter()) - t0)
             out[(pattern, n)] = statistics.median(times)
             print(f"  nixl in-process {pattern:10s} {n:5d} blocks: {out[(pattern, n)] * 1e3:8.3f} ms", flush=True)
+    k, stream_sizes = stream
+    for n in stream_sizes:
+        plans = [plan_write(layout, remote_layout, [list(range(i * n, (i + 1) * n))], [list(range(i * n, (i + 1) * n))])
+                 for i in range(k)]
+        times = []
+        for rep in range(repeats + 1):
+            tags = [f"stream-{n}-{rep}.{i}" for i in range(k)]
+            parent.send(tags)
+            parent.recv()
+            t0 = time.perf_counter()
+            handles = [agent.write(local, plan.src_indices, remote, plan.dst_indices, tag.encode())
+                       for plan, tag in zip(plans, tags)]
+            for handle, state in handles:
+                while state is XferState.PROC:
+                    state = agent.state(handle)
+            done = time.perf_counter()
+            for handle, _ in handles:
+                agent.release(handle)
+            seen = parent.recv()
+            if rep:
+                times.append(max(seen, done) - t0)
+        out[("stream", n)] = statistics.median(times)
+        print(f"  nixl in-process stream {k} x {n:5d} blocks: {out[('stream', n)] * 1e3:8.3f} ms", flush=True)
     parent.send(None)
     proc.join(60)
     agent.close()
@@ -250,7 +281,13 @@ def _ipc_ready(d_daemon, timeout: float = 20.0) -> None:
 def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeats: int, small_reps: int,
                 log_level: str = "warning", part_mib: int | None = None, staging_mib: int = 0,
                 ucx_mode: str = "peer", sgl: bool = False, ipc: bool = False, hot_yield: str = "on",
-                spin_s: float = 0.0) -> dict:
+                spin_s: float = 0.0, stream: tuple[int, list[int]] = (0, [])) -> dict:
+    """One push at a time of each size and pattern, then the small request; then, for
+    ``stream = (k, sizes)``, ``k`` requests of contiguous blocks (request i: blocks
+    ``[i * n, (i + 1) * n)`` on both sides) registered in one step of D's worker and
+    finished in one step of P's, timed from P's worker's step until D's worker saw the
+    last ``RecvDone``: what the daemons move while requests follow each other, with each
+    one's fixed hops overlapping the others' bytes."""
     from procs import start_daemon
 
     base = Path(tempfile.mkdtemp(prefix="psbench-gpu-"))
@@ -265,7 +302,7 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
                             str(landing_mib), *mode, timeout=120)
     p = _Proc(p_daemon, "producer", total_blocks, 1)
     d = _Proc(d_daemon, "consumer", total_blocks, 2)
-    out: dict = {"push": {}, "exposed": {}, "parts": {}, "timelines": {}}
+    out: dict = {"push": {}, "exposed": {}, "parts": {}, "timelines": {}, "stream": {}}
     seq = 0
     meter = CpuMeter({"P": p_daemon.proc.pid, "D": d_daemon.proc.pid})
     started, cpu0 = time.monotonic(), meter.snapshot()
@@ -314,6 +351,22 @@ def daemon_push(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     out["small"] = {"p50_ms": float(np.percentile(small, 50) * 1e3), "p90_ms": float(np.percentile(small, 90) * 1e3),
                     "p99_ms": float(np.percentile(small, 99) * 1e3), "n": len(small)}
     out["small_timeline_ms"] = timeline_medians(p_daemon, d_daemon, out["small_rids"])
+    k, stream_sizes = stream
+    for n in stream_sizes:
+        times = []
+        for rep in range(repeats + 1):  # the first is a warm-up
+            reqs = {f"s{n}-{rep}.{i}": list(range(i * n, (i + 1) * n)) for i in range(k)}
+            _registered_all(p_daemon, d, reqs)
+            t0 = p.call("send", requests=[{"rid": rid, "blocks": ids} for rid, ids in reqs.items()])["t"]
+            got = d.reply()
+            p.call("wait", rids=list(reqs), timeout=60)
+            if got["missing"] or any(f["errors"] for f in got["finished"].values()):
+                raise RuntimeError(f"stream of {k} x {n}: load failed or missing ({got['missing']})")
+            if rep:
+                times.append(max(f["t"] for f in got["finished"].values()) - t0)
+        out["stream"][n] = statistics.median(times)
+        print(f"  {'same-host push' if ipc else 'daemon push':15s} stream {k} x {n:5d} blocks: "
+              f"{out['stream'][n] * 1e3:8.3f} ms", flush=True)
     out["hot_passes"] = {"P": hot_passes(p_daemon), "D": hot_passes(d_daemon)}
     print("  hot progress passes (all, over 0.5 ms, over 2.5 ms): " + "; ".join(
         f"{side} {v['passes']:.0f}, {v['over_0.5ms']:.0f}, {v['over_2.5ms']:.0f}" for side, v in out["hot_passes"].items()),
@@ -473,6 +526,10 @@ def main() -> None:
     ap.add_argument("--ipc", default="both", choices=["both", "off"],
                     help="both: the daemon push over NIXL into D's landing buffer and the same-host push "
                          "(ipc_push), side by side (with --layerwise too); off: only the former")
+    ap.add_argument("--stream", type=int, default=8,
+                    help="requests per stream: pushed back to back, in one step of each worker (0: no stream)")
+    ap.add_argument("--stream-blocks", default="16,64,256,512",
+                    help="blocks per request of the streams (contiguous ids)")
     ap.add_argument("--p-gpu", type=int, default=None, help="P's GPU (default 0)")
     ap.add_argument("--d-gpu", type=int, default=None, help="D's GPU (default 1 where two are visible, else 0)")
     args = ap.parse_args()
@@ -485,7 +542,9 @@ def main() -> None:
     print(f"P on cuda:{p_gpu}, D on cuda:{d_gpu}", flush=True)
     sizes = [int(b) for b in args.blocks.split(",")]
     patterns = args.patterns.split(",")
-    total = max(sizes) * (args.batch if args.layerwise else 1) + 256
+    stream = (args.stream, [int(b) for b in args.stream_blocks.split(",")] if args.stream > 0 else [])
+    total = max([max(sizes) * (args.batch if args.layerwise else 1)]
+                + [args.stream * n for n in stream[1] if not args.layerwise]) + 256
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.layerwise:
@@ -528,16 +587,17 @@ def main() -> None:
     copy = torch_copy(sizes, args.repeats, p_gpu, d_gpu)
     print("in-process NIXL ...", flush=True)
     anchor = nixl_anchor(sizes, total, patterns, args.repeats, args.ucx_error_handling_mode, args.ucx_sgl == "on",
-                         p_gpu, d_gpu)
+                         p_gpu, d_gpu, stream)
     print("daemon push ...", flush=True)
     push = daemon_push(sizes, total, patterns, args.repeats, args.small, part_mib=args.part_mib,
                        staging_mib=args.staging_mib, ucx_mode=args.ucx_error_handling_mode,
-                       sgl=args.ucx_sgl == "on", hot_yield=args.poll_hot_yield, spin_s=args.poll_spin_s)
+                       sgl=args.ucx_sgl == "on", hot_yield=args.poll_hot_yield, spin_s=args.poll_spin_s,
+                       stream=stream)
     same_host = None
     if args.ipc == "both":
         print("same-host push ...", flush=True)
         same_host = daemon_push(sizes, total, patterns, args.repeats, args.small, ucx_mode=args.ucx_error_handling_mode,
-                                hot_yield=args.poll_hot_yield, ipc=True, spin_s=args.poll_spin_s)
+                                hot_yield=args.poll_hot_yield, ipc=True, spin_s=args.poll_spin_s, stream=stream)
     rows = []
     for pattern in patterns:
         for n in sizes:
@@ -558,6 +618,18 @@ def main() -> None:
               "staging_mib": args.staging_mib, "ucx_sgl": args.ucx_sgl,
               "poll_hot_yield": args.poll_hot_yield, "poll_spin_s": args.poll_spin_s, "daemon_cpu": push["daemon_cpu"],
               "p_gpu": p_gpu, "d_gpu": d_gpu}
+    k = stream[0]
+    stream_rows = []
+    for n in stream[1]:
+        nbytes, a = k * n * BLOCK_BYTES, anchor[("stream", n)]
+        row = {"requests": k, "blocks": n, "bytes": nbytes, "nixl_s": a, "nixl_gb_s": nbytes / a / 1e9,
+               "daemon_s": push["stream"][n], "daemon_gb_s": nbytes / push["stream"][n] / 1e9,
+               "daemon_vs_nixl": a / push["stream"][n]}
+        if same_host is not None:
+            i = same_host["stream"][n]
+            row.update(ipc_s=i, ipc_gb_s=nbytes / i / 1e9, ipc_vs_nixl=a / i)
+        stream_rows.append(row)
+    result["stream_rows"] = stream_rows
     if same_host is not None:
         result.update(same_host_small_request=same_host["small"], same_host_small_timeline_ms=same_host[
             "small_timeline_ms"], same_host_copies=same_host["ipc_copies"], same_host_daemon_cpu=same_host["daemon_cpu"])
@@ -578,6 +650,16 @@ def main() -> None:
         for r in rows:
             print(f"| {r['pattern']} | {r['blocks']} | {r['bytes'] >> 20} | {r['ipc_gb_s']:.1f} | {r['nixl_gb_s']:.1f} "
                   f"| {r['ipc_vs_nixl'] * 100:.0f}% | {r['torch_gb_s']:.0f} | {r['ipc_vs_torch'] * 100:.0f}% |")
+    if stream_rows:
+        print(f"\nstreams: {k} requests pushed back to back (one step of each worker), first step to last RecvDone; "
+              "in-process: as many WRITEs posted back to back, first post to the last notification seen")
+        print("| blocks per request | MiB in all | in-process NIXL GB/s | daemon push GB/s | daemon / NIXL "
+              "| same-host push GB/s | same-host / NIXL |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for r in stream_rows:
+            same = (f"{r['ipc_gb_s']:.1f} | {r['ipc_vs_nixl'] * 100:.0f}%" if "ipc_gb_s" in r else "- | -")
+            print(f"| {r['blocks']} | {r['bytes'] >> 20} | {r['nixl_gb_s']:.1f} | {r['daemon_gb_s']:.1f} "
+                  f"| {r['daemon_vs_nixl'] * 100:.0f}% | {same} |")
     for name, run in (("daemon push", push), ("same-host push", same_host)):
         if run is None:
             continue
