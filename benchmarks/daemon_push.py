@@ -80,16 +80,23 @@ def _worker(d: Daemon, role: str, total: int, block_len: int, regions: int = 1):
 
 def _wait(clients, rid: str) -> list[float]:
     """Block until every client has an event for ``rid``; when each arrived."""
+    return _wait_all(clients, [rid])
+
+
+def _wait_all(clients, rids: list[str]) -> list[float]:
+    """Block until every client has an event for each of ``rids``; when each client had
+    its last."""
     # Block in select() like an engine between steps would, instead of spinning: on a
     # 2-core host a spinning client would steal the core a daemon needs.
-    pending = set(range(len(clients)))
+    pending = {i: set(rids) for i in range(len(clients))}
     seen = [0.0] * len(clients)
     while pending:
         select.select([clients[i] for i in pending], [], [], 1.0)
         for i in list(pending):
-            if any(getattr(e, "request_id", None) == rid for e in clients[i].poll()):
+            pending[i] -= {getattr(e, "request_id", None) for e in clients[i].poll()}
+            if not pending[i]:
                 seen[i] = time.perf_counter()
-                pending.discard(i)
+                del pending[i]
     return seen
 
 
@@ -132,6 +139,23 @@ class Pair:
         t0 = time.perf_counter()
         c2.send(second)
         return rid, t0
+
+    def push_stream(self, blocks: int, k: int) -> float:
+        """``k`` pushes of ``blocks`` blocks each (push i: blocks ``[i * blocks, (i + 1) *
+        blocks)`` on both sides) back to back: D registers all, ``gap_s`` later P's worker
+        hands all over, one message each. Seconds until both workers heard of the last."""
+        rids = []
+        for i in range(k):
+            self.seq += 1
+            rids.append(f"bench-{self.seq}")
+            self.dc.send(wp.RegisterRecv(request_id=rids[-1], local_block_ids=[list(range(i * blocks, (i + 1) * blocks))],
+                                         remote_engine_id="prefill", remote_host="127.0.0.1",
+                                         remote_port=self.P.info["side_channel_port"]))
+        time.sleep(abs(self.gap_s))
+        t0 = time.perf_counter()
+        for i, rid in enumerate(rids):
+            self.pc.send(wp.SendReady(request_id=rid, block_ids=[list(range(i * blocks, (i + 1) * blocks))]))
+        return max(_wait_all([self.pc, self.dc], rids)) - t0
 
     def push(self, blocks: int) -> tuple[float, float, float]:
         """One push of ``blocks`` blocks: seconds until (both, P's SendDone, D's RecvDone)."""
@@ -180,10 +204,12 @@ def path_medians(pair: Pair, n: int) -> dict[str, float]:
 
 
 def run(sizes: list[int], block_len: int, repeats: int, control: bool = True, idle_window: float = 10.0,
-        regions: int = 1, gap_s: float = 0.005) -> dict:
+        regions: int = 1, gap_s: float = 0.005, stream: int = 0) -> dict:
     """Push each size ``repeats`` times (after one warm-up) through a fresh daemon pair.
-    With ``control``, also the control-path figures and (``idle_window`` > 0) idle CPU."""
-    pair = Pair(max(sizes), block_len, regions, gap_s)
+    With ``stream`` > 1, also ``stream`` pushes of each size back to back
+    (``Pair.push_stream``), as many times. With ``control``, also the control-path figures
+    and (``idle_window`` > 0) idle CPU."""
+    pair = Pair(max(sizes) * max(1, stream), block_len, regions, gap_s)
     try:
         rows = []
         for size in sizes:
@@ -191,6 +217,13 @@ def run(sizes: list[int], block_len: int, repeats: int, control: bool = True, id
             times = [pair.push(n)[0] for _ in range(repeats + 1)][1:]
             rows.append({"size": size, "blocks": n, "block_len": block_len, "push_s": statistics.median(times)})
         res: dict = {"push": rows}
+        if stream > 1:
+            res["stream"] = []
+            for size in sizes:
+                n = size // block_len
+                times = [pair.push_stream(n, stream) for _ in range(repeats + 1)][1:]
+                res["stream"].append({"size": size, "blocks": n, "block_len": block_len, "stream": stream,
+                                      "push_s": statistics.median(times)})
         if not control:
             return res
         pc = pair.pc
@@ -240,18 +273,25 @@ def main() -> int:
     ap.add_argument("--gap-ms", type=float, default=5.0,
                     help="how long before P's worker hands its blocks over D registers (both daemons idle "
                          "meanwhile); negative: P's blocks first, D's registration that long after")
+    ap.add_argument("--stream", type=int, default=8,
+                    help="also this many pushes of each size back to back, against as many in-process WRITEs "
+                         "posted back to back (0 or 1: no streams)")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PUSHSVC_UCX_ERROR_HANDLING_MODE"] = args.ucx_error_handling_mode  # the daemons read it
     sizes = [_size(s) for s in args.sizes.split(",")]
     block_len = _size(args.block_len)
     mode = args.ucx_error_handling_mode
-    base = {r["size"]: r for r in nixl_pair.run(sizes, block_len, args.repeats, mode, args.regions)}
-    # The same buffer as the daemons' (the largest size): a block's pieces in the 64
-    # regions lie as far apart as theirs, so NIXL cannot merge them where the daemon cannot.
-    one = nixl_pair.run([block_len], block_len, 50, mode, args.regions, total=max(sizes))[0]
+    # The same buffer as the daemons' (the largest size, times the stream's length): a
+    # block's pieces in the 64 regions lie as far apart as theirs, so NIXL cannot merge
+    # them where the daemon cannot.
+    total = max(sizes) * max(1, args.stream)
+    base = {r["size"]: r for r in nixl_pair.run(sizes, block_len, args.repeats, mode, args.regions, total=total)}
+    one = nixl_pair.run([block_len], block_len, 50, mode, args.regions, total=total)[0]
+    streams = {r["size"]: r for r in nixl_pair.run(sizes, block_len, args.repeats, mode, args.regions, total=total,
+                                                    stream=args.stream)} if args.stream > 1 else {}
     res = run(sizes, block_len, args.repeats, idle_window=args.idle_window, regions=args.regions,
-              gap_s=args.gap_ms / 1e3)
+              gap_s=args.gap_ms / 1e3, stream=args.stream)
     print(f"{'size':>10} {'blocks':>7} {'in-process ms':>14} {'GB/s':>7} {'daemon ms':>10} {'GB/s':>7} {'ratio':>6}")
     for r in res["push"]:
         b = base[r["size"]]
@@ -260,6 +300,18 @@ def main() -> int:
         r.update(inproc_s=b["notified_s"], inproc_write_s=b["write_s"])
         print(f"{r['size'] / 2**20:>9.2f}M {r['blocks']:>7} {b['notified_s'] * 1e3:>14.3f} {gbs_b:>7.2f} "
               f"{r['push_s'] * 1e3:>10.3f} {gbs_d:>7.2f} {gbs_d / gbs_b:>6.2f}")
+    for r in res.get("stream", []):
+        b = streams[r["size"]]
+        r.update(inproc_s=b["notified_s"], inproc_write_s=b["write_s"])
+    if res.get("stream"):
+        print(f"streams of {args.stream} pushes back to back (in-process: as many WRITEs posted back to back), "
+              "GB/s of all of them:")
+        print(f"{'size':>10} {'blocks':>7} {'in-process ms':>14} {'GB/s':>7} {'daemon ms':>10} {'GB/s':>7} {'ratio':>6}")
+        for r in res["stream"]:
+            nbytes = r["size"] * args.stream
+            gbs_b, gbs_d = nbytes / r["inproc_s"] / 1e9, nbytes / r["push_s"] / 1e9
+            print(f"{r['size'] / 2**20:>9.2f}M {r['blocks']:>7} {r['inproc_s'] * 1e3:>14.3f} {gbs_b:>7.2f} "
+                  f"{r['push_s'] * 1e3:>10.3f} {gbs_d:>7.2f} {gbs_d / gbs_b:>6.2f}")
     o = res["one_block"]
     print(f"worker message round trip: {res['rtt_us']:.1f} us; idle poll(): {res['idle_poll_us']:.2f} us")
     print(f"one {block_len >> 10} KiB block: daemon {o['both_us']:.0f} us (P SendDone {o['send_done_us']:.0f}, "

@@ -160,8 +160,7 @@ def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeat
     blocks posted back to back (request i: blocks ``[i * n, (i + 1) * n)`` on both sides,
     one notification each), timed from the first post until the target saw all ``k``
     notifications. Keys: (pattern, n) and ("stream", n)."""
-    from nixl_pair import timed_write  # benchmarks/
-    from pushsvc.engine.base import XferState
+    from nixl_pair import timed_stream, timed_write  # benchmarks/
     from pushsvc.engine.nixl import NixlEngine
     from pushsvc.state.layout import descriptor_table, plan_write
 
@@ -202,18 +201,11 @@ def nixl_anchor(sizes: list[int], total_blocks: int, patterns: list[str], repeat
             tags = [f"stream-{n}-{rep}.{i}" for i in range(k)]
             parent.send(tags)
             parent.recv()
-            t0 = time.perf_counter()
-            handles = [agent.write(local, plan.src_indices, remote, plan.dst_indices, tag.encode())
-                       for plan, tag in zip(plans, tags)]
-            for handle, state in handles:
-                while state is XferState.PROC:
-                    state = agent.state(handle)
-            done = time.perf_counter()
-            for handle, _ in handles:
-                agent.release(handle)
+            t = timed_stream(agent, local, remote, [plan.src_indices for plan in plans], tags,
+                             [plan.dst_indices for plan in plans])
             seen = parent.recv()
             if rep:
-                times.append(max(seen, done) - t0)
+                times.append(max(seen, t.settled) - t.start)
         out[("stream", n)] = statistics.median(times)
         print(f"  nixl in-process stream {k} x {n:5d} blocks: {out[('stream', n)] * 1e3:8.3f} ms", flush=True)
     parent.send(None)

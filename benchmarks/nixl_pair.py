@@ -48,13 +48,13 @@ def _target(conn, total: int, block_len: int, ucx_mode: str, regions: int) -> No
         cmd = conn.recv()
         if cmd is None:
             break
-        want = cmd.encode()
+        wanted = {tag.encode() for tag in ([cmd] if isinstance(cmd, str) else cmd)}  # one tag, or a stream's
         conn.send("armed")
-        while want not in seen:
+        while not wanted <= seen:
             for msgs in agent.notifs().values():
                 seen.update(msgs)
         seen_at = time.perf_counter()
-        seen.discard(want)
+        seen -= wanted
         conn.send(seen_at)
 
 
@@ -78,11 +78,32 @@ def timed_write(agent, local, src_idx, remote, dst_idx, tag: str) -> Timed:
     return Timed(t0, posted, t1)
 
 
+def timed_stream(agent, local, remote, src_idxs: list, tags: list[str], dst_idxs: list | None = None) -> Timed:
+    """Post one WRITE per index array back to back (to the same indices remotely unless
+    ``dst_idxs``), each with its notification, then spin until all settled."""
+    t0 = time.perf_counter()
+    handles = [agent.write(local, src, remote, dst, tag.encode())
+               for src, dst, tag in zip(src_idxs, dst_idxs or src_idxs, tags)]
+    posted = time.perf_counter()
+    for handle, state in handles:
+        while state is XferState.PROC:
+            state = agent.state(handle)
+    t1 = time.perf_counter()
+    for handle, _ in handles:
+        agent.release(handle)
+    return Timed(t0, posted, t1)
+
+
 def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer", regions: int = 1,
-        total: int = 0) -> list[dict]:
+        total: int = 0, stream: int = 0) -> list[dict]:
     """``total``: the buffer size (default the largest size). With several regions it sets
-    how far apart a block's pieces lie: adjacent pieces NIXL merges into one descriptor."""
-    total = max(total, *sizes)
+    how far apart a block's pieces lie: adjacent pieces NIXL merges into one descriptor.
+    With ``stream`` > 1, each measurement is ``stream`` WRITEs of ``size`` posted back to
+    back (WRITE i: blocks ``[i * n, (i + 1) * n)`` on both sides, a notification each),
+    timed from the first post until all settled (``write_s``) and until the target saw
+    every notification (``notified_s``); ``post_s`` then covers all the posts."""
+    k = max(1, stream)
+    total = max(total, *(k * size for size in sizes))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_target, args=(child, total, block_len, ucx_mode, regions))
@@ -99,19 +120,21 @@ def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer", 
     out = []
     for size in sizes:
         n = size // block_len
-        idx = plan_write(layout, layout, [list(range(n))], [list(range(n))]).src_indices
+        idxs = [plan_write(layout, layout, [list(range(i * n, (i + 1) * n))],
+                           [list(range(i * n, (i + 1) * n))]).src_indices for i in range(k)]
         times, notif_times, post_times = [], [], []
         for rep in range(repeats + 1):
-            tag = f"bench-{size}-{rep}"
-            parent.send(tag)
-            parent.recv()  # "armed": the target is polling for this notification
-            t = timed_write(agent, local, idx, remote, idx, tag)
+            tags = [f"bench-{size}-{rep}" + (f".{i}" if k > 1 else "") for i in range(k)]
+            parent.send(tags[0] if k == 1 else tags)
+            parent.recv()  # "armed": the target is polling for these notifications
+            t = timed_write(agent, local, idxs[0], remote, idxs[0], tags[0]) if k == 1 else \
+                timed_stream(agent, local, remote, idxs, tags)
             seen_at = parent.recv()
             if rep:  # the first is a warm-up (connection set-up)
                 times.append(t.settled - t.start)
                 notif_times.append(max(t.settled, seen_at) - t.start)
                 post_times.append(t.posted - t.start)
-        out.append({"size": size, "blocks": n, "block_len": block_len, "write_s": float(np.median(times)),
+        out.append({"size": size, "blocks": n, "block_len": block_len, "stream": k, "write_s": float(np.median(times)),
                     "notified_s": float(np.median(notif_times)), "post_s": float(np.median(post_times))})
     parent.send(None)
     proc.join(30)
