@@ -577,6 +577,7 @@ def main() -> None:
         return
     print("torch copy ...", flush=True)
     copy = torch_copy(sizes, args.repeats, p_gpu, d_gpu)
+    stream_copy = torch_copy([stream[0] * n for n in stream[1]], args.repeats, p_gpu, d_gpu) if stream[1] else {}
     print("in-process NIXL ...", flush=True)
     anchor = nixl_anchor(sizes, total, patterns, args.repeats, args.ucx_error_handling_mode, args.ucx_sgl == "on",
                          p_gpu, d_gpu, stream)
@@ -616,7 +617,7 @@ def main() -> None:
         nbytes, a = k * n * BLOCK_BYTES, anchor[("stream", n)]
         row = {"requests": k, "blocks": n, "bytes": nbytes, "nixl_s": a, "nixl_gb_s": nbytes / a / 1e9,
                "daemon_s": push["stream"][n], "daemon_gb_s": nbytes / push["stream"][n] / 1e9,
-               "daemon_vs_nixl": a / push["stream"][n]}
+               "daemon_vs_nixl": a / push["stream"][n], "torch_gb_s": nbytes / stream_copy[k * n] / 1e9}
         if same_host is not None:
             i = same_host["stream"][n]
             row.update(ipc_s=i, ipc_gb_s=nbytes / i / 1e9, ipc_vs_nixl=a / i)
@@ -646,12 +647,12 @@ def main() -> None:
         print(f"\nstreams: {k} requests pushed back to back (one step of each worker), first step to last RecvDone; "
               "in-process: as many WRITEs posted back to back, first post to the last notification seen")
         print("| blocks per request | MiB in all | in-process NIXL GB/s | daemon push GB/s | daemon / NIXL "
-              "| same-host push GB/s | same-host / NIXL |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
+              "| same-host push GB/s | same-host / NIXL | torch copy GB/s |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in stream_rows:
             same = (f"{r['ipc_gb_s']:.1f} | {r['ipc_vs_nixl'] * 100:.0f}%" if "ipc_gb_s" in r else "- | -")
             print(f"| {r['blocks']} | {r['bytes'] >> 20} | {r['nixl_gb_s']:.1f} | {r['daemon_gb_s']:.1f} "
-                  f"| {r['daemon_vs_nixl'] * 100:.0f}% | {same} |")
+                  f"| {r['daemon_vs_nixl'] * 100:.0f}% | {same} | {r['torch_gb_s']:.0f} |")
     for name, run in (("daemon push", push), ("same-host push", same_host)):
         if run is None:
             continue
