@@ -83,14 +83,17 @@ def _wait(clients, rid: str) -> list[float]:
     return _wait_all(clients, [rid])
 
 
-def _wait_all(clients, rids: list[str]) -> list[float]:
+def _wait_all(clients, rids: list[str], timeout: float = 120.0) -> list[float]:
     """Block until every client has an event for each of ``rids``; when each client had
-    its last."""
+    its last. TimeoutError after ``timeout`` seconds."""
     # Block in select() like an engine between steps would, instead of spinning: on a
     # 2-core host a spinning client would steal the core a daemon needs.
     pending = {i: set(rids) for i in range(len(clients))}
     seen = [0.0] * len(clients)
+    deadline = time.monotonic() + timeout
     while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no event for {sorted(set().union(*pending.values()))} within {timeout} s")
         select.select([clients[i] for i in pending], [], [], 1.0)
         for i in list(pending):
             pending[i] -= {getattr(e, "request_id", None) for e in clients[i].poll()}
