@@ -147,18 +147,18 @@ class Pair:
         """``k`` pushes of ``blocks`` blocks each (push i: blocks ``[i * blocks, (i + 1) *
         blocks)`` on both sides) back to back: D registers all, ``gap_s`` later P's worker
         hands all over, one message each. Seconds until both workers heard of the last."""
-        rids = []
+        pushes = {}  # request id -> its blocks
         for i in range(k):
             self.seq += 1
-            rids.append(f"bench-{self.seq}")
-            self.dc.send(wp.RegisterRecv(request_id=rids[-1], local_block_ids=[list(range(i * blocks, (i + 1) * blocks))],
+            pushes[f"bench-{self.seq}"] = ids = list(range(i * blocks, (i + 1) * blocks))
+            self.dc.send(wp.RegisterRecv(request_id=f"bench-{self.seq}", local_block_ids=[ids],
                                          remote_engine_id="prefill", remote_host="127.0.0.1",
                                          remote_port=self.P.info["side_channel_port"]))
         time.sleep(abs(self.gap_s))
         t0 = time.perf_counter()
-        for i, rid in enumerate(rids):
-            self.pc.send(wp.SendReady(request_id=rid, block_ids=[list(range(i * blocks, (i + 1) * blocks))]))
-        return max(_wait_all([self.pc, self.dc], rids)) - t0
+        for rid, ids in pushes.items():
+            self.pc.send(wp.SendReady(request_id=rid, block_ids=[ids]))
+        return max(_wait_all([self.pc, self.dc], list(pushes))) - t0
 
     def push(self, blocks: int) -> tuple[float, float, float]:
         """One push of ``blocks`` blocks: seconds until (both, P's SendDone, D's RecvDone)."""
@@ -263,6 +263,19 @@ def run(sizes: list[int], block_len: int, repeats: int, control: bool = True, id
         pair.close()
 
 
+def _table(rows: list[dict], inproc: dict[int, dict], pushes: int) -> None:
+    """Print the daemon's ``rows`` beside the in-process ones of the same sizes (``inproc``,
+    by size; noted into each row), ``pushes`` pushes of each size per measurement."""
+    print(f"{'size':>10} {'blocks':>7} {'in-process ms':>14} {'GB/s':>7} {'daemon ms':>10} {'GB/s':>7} {'ratio':>6}")
+    for r in rows:
+        b = inproc[r["size"]]
+        r.update(inproc_s=b["notified_s"], inproc_write_s=b["write_s"])
+        nbytes = r["size"] * pushes
+        gbs_b, gbs_d = nbytes / b["notified_s"] / 1e9, nbytes / r["push_s"] / 1e9
+        print(f"{r['size'] / 2**20:>9.2f}M {r['blocks']:>7} {b['notified_s'] * 1e3:>14.3f} {gbs_b:>7.2f} "
+              f"{r['push_s'] * 1e3:>10.3f} {gbs_d:>7.2f} {gbs_d / gbs_b:>6.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M,256M")
@@ -295,26 +308,11 @@ def main() -> int:
                                                     stream=args.stream)} if args.stream > 1 else {}
     res = run(sizes, block_len, args.repeats, idle_window=args.idle_window, regions=args.regions,
               gap_s=args.gap_ms / 1e3, stream=args.stream)
-    print(f"{'size':>10} {'blocks':>7} {'in-process ms':>14} {'GB/s':>7} {'daemon ms':>10} {'GB/s':>7} {'ratio':>6}")
-    for r in res["push"]:
-        b = base[r["size"]]
-        gbs_b = r["size"] / b["notified_s"] / 1e9
-        gbs_d = r["size"] / r["push_s"] / 1e9
-        r.update(inproc_s=b["notified_s"], inproc_write_s=b["write_s"])
-        print(f"{r['size'] / 2**20:>9.2f}M {r['blocks']:>7} {b['notified_s'] * 1e3:>14.3f} {gbs_b:>7.2f} "
-              f"{r['push_s'] * 1e3:>10.3f} {gbs_d:>7.2f} {gbs_d / gbs_b:>6.2f}")
-    for r in res.get("stream", []):
-        b = streams[r["size"]]
-        r.update(inproc_s=b["notified_s"], inproc_write_s=b["write_s"])
+    _table(res["push"], base, 1)
     if res.get("stream"):
         print(f"streams of {args.stream} pushes back to back (in-process: as many WRITEs posted back to back), "
               "GB/s of all of them:")
-        print(f"{'size':>10} {'blocks':>7} {'in-process ms':>14} {'GB/s':>7} {'daemon ms':>10} {'GB/s':>7} {'ratio':>6}")
-        for r in res["stream"]:
-            nbytes = r["size"] * args.stream
-            gbs_b, gbs_d = nbytes / r["inproc_s"] / 1e9, nbytes / r["push_s"] / 1e9
-            print(f"{r['size'] / 2**20:>9.2f}M {r['blocks']:>7} {r['inproc_s'] * 1e3:>14.3f} {gbs_b:>7.2f} "
-                  f"{r['push_s'] * 1e3:>10.3f} {gbs_d:>7.2f} {gbs_d / gbs_b:>6.2f}")
+        _table(res["stream"], streams, args.stream)
     o = res["one_block"]
     print(f"worker message round trip: {res['rtt_us']:.1f} us; idle poll(): {res['idle_poll_us']:.2f} us")
     print(f"one {block_len >> 10} KiB block: daemon {o['both_us']:.0f} us (P SendDone {o['send_done_us']:.0f}, "

@@ -48,7 +48,7 @@ def _target(conn, total: int, block_len: int, ucx_mode: str, regions: int) -> No
         cmd = conn.recv()
         if cmd is None:
             break
-        wanted = {tag.encode() for tag in ([cmd] if isinstance(cmd, str) else cmd)}  # one tag, or a stream's
+        wanted = {tag.encode() for tag in cmd}  # one WRITE's tag, or a stream's
         conn.send("armed")
         while not wanted <= seen:
             for msgs in agent.notifs().values():
@@ -59,23 +59,16 @@ def _target(conn, total: int, block_len: int, ucx_mode: str, regions: int) -> No
 
 
 class Timed(NamedTuple):
-    """``time.perf_counter()`` at the moments of one WRITE."""
+    """``time.perf_counter()`` at the moments of one WRITE, or of a stream of them."""
 
-    start: float  # just before the post
-    posted: float  # the post returned (over tcp the bytes moved inside it)
-    settled: float  # no longer in progress
+    start: float  # just before the (first) post
+    posted: float  # the (last) post returned (over tcp the bytes moved inside it)
+    settled: float  # no longer in progress (every one of them)
 
 
 def timed_write(agent, local, src_idx, remote, dst_idx, tag: str) -> Timed:
     """Post one WRITE with notification ``tag``, spin until it settles, release it."""
-    t0 = time.perf_counter()
-    handle, state = agent.write(local, src_idx, remote, dst_idx, tag.encode())
-    posted = time.perf_counter()
-    while state is XferState.PROC:
-        state = agent.state(handle)
-    t1 = time.perf_counter()
-    agent.release(handle)
-    return Timed(t0, posted, t1)
+    return timed_stream(agent, local, remote, [src_idx], [tag], [dst_idx])
 
 
 def timed_stream(agent, local, remote, src_idxs: list, tags: list[str], dst_idxs: list | None = None) -> Timed:
@@ -124,11 +117,10 @@ def run(sizes: list[int], block_len: int, repeats: int, ucx_mode: str = "peer", 
                            [list(range(i * n, (i + 1) * n))]).src_indices for i in range(k)]
         times, notif_times, post_times = [], [], []
         for rep in range(repeats + 1):
-            tags = [f"bench-{size}-{rep}" + (f".{i}" if k > 1 else "") for i in range(k)]
-            parent.send(tags[0] if k == 1 else tags)
+            tags = [f"bench-{size}-{rep}.{i}" for i in range(k)]
+            parent.send(tags)
             parent.recv()  # "armed": the target is polling for these notifications
-            t = timed_write(agent, local, idxs[0], remote, idxs[0], tags[0]) if k == 1 else \
-                timed_stream(agent, local, remote, idxs, tags)
+            t = timed_stream(agent, local, remote, idxs, tags)
             seen_at = parent.recv()
             if rep:  # the first is a warm-up (connection set-up)
                 times.append(t.settled - t.start)
