@@ -26,6 +26,7 @@ from helpers import (
     build_requests,
     generate_all,
 )
+from outputs import reference_request
 
 from pushsvc.launch import Proc, connector_config
 from pushsvc.tinymodel import ensure_tiny_model
@@ -88,7 +89,7 @@ def start_pd(workdir: Path, model_path: str, tokenizer: Any, flags: dict[str, tu
         refs: dict[str, Any] = {}
         if with_refs:
             colocated = st.vllm("vllm-colocated", model_path)
-            refs = generate_all(colocated.url, reqs.all())
+            refs = generate_all(colocated.url, [reference_request(r) for r in reqs.all()])
             bad = {r.name: str(refs[r.name]) for r in reqs.all()
                    if not refs[r.name].ok or len(refs[r.name].tokens) != r.body["max_tokens"]}
             assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"

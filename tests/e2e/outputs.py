@@ -1,12 +1,29 @@
 """Comparing what came out of P/D with colocated vLLM's outputs: every request
 succeeded, the greedy tokens are equal, and where they differ, whether the reference's
-two best tokens were a bf16 near-tie."""
+two best tokens were a bf16 near-tie.
+
+Why a first token may differ at a tie: D computes only a prompt's last token, alone, over
+P's KV (which P computed in its own batches); colocated vLLM computed the whole prompt in
+one batch. In bfloat16 the two sums round differently, so where colocated's two best
+logits are equal or nearly so, D may pick the other one. The pushed bytes themselves are
+checked exactly by verify mode; these checks are about the tokens."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from helpers import Outcome, Req
+from helpers import COMPLETIONS, Outcome, Req
+
+NEAR_TIE = 0.05  # nats between colocated's two best tokens where bf16 rounding may pick either
+REFERENCE_TOP = 5  # best tokens the colocated reference returns at each position
+
+
+def reference_request(req: Req) -> Req:
+    """``req`` as colocated vLLM is asked it for the reference: the same generation, not
+    streamed, with its ``REFERENCE_TOP`` best tokens (as token ids) at each position."""
+    if req.path == COMPLETIONS:
+        return req.with_body(stream=False, logprobs=REFERENCE_TOP, return_tokens_as_token_ids=True)
+    return req.with_body(stream=False, logprobs=True, top_logprobs=REFERENCE_TOP, return_tokens_as_token_ids=True)
 
 
 def assert_all_ok(got: dict[str, Outcome], where: str, logs: Callable[[], str]) -> None:
@@ -18,21 +35,46 @@ def assert_all_ok(got: dict[str, Outcome], where: str, logs: Callable[[], str]) 
 def assert_like_colocated(got: dict[str, Outcome], refs: dict[str, Outcome], reqs: Sequence[Req], where: str,
                           logs: Callable[[], str]) -> None:
     """Every request of ``reqs`` succeeded through ``where`` and its greedy output equals the
-    colocated reference: the first token always (D's first step on the pushed KV), later ones
-    but for bf16 near-ties, which may flip a later greedy pick once in a while (at most one
-    request in 24; more is a bug)."""
+    colocated reference (``refs``, from ``reference_request``): the first token (D's first
+    step on the pushed KV) unless colocated's own logprobs tie there within ``NEAR_TIE``,
+    later ones but for bf16 near-ties, which may flip a later greedy pick once in a while
+    (at most one request in 24; more is a bug)."""
     assert_all_ok(got, where, logs)
     diverged = {r.name: diverged_at(got[r.name].tokens, refs[r.name].tokens) for r in reqs}
     diverged = {name: at for name, at in diverged.items() if at is not None}
     detail = {name: (got[name].tokens, refs[name].tokens) for name in diverged}
-    assert all(at > 0 for at in diverged.values()), f"first token differs from colocated: {detail}"
-    assert len(diverged) <= len(reqs) // 24, f"outputs differ from colocated: {detail}"
+    first = {name: first_token_gap(got[name], refs[name]) for name, at in diverged.items() if at == 0}
+    assert all(gap <= NEAR_TIE for gap in first.values()), (
+        f"first token differs from colocated beyond a near-tie (colocated's gap, nats: {first}): {detail}")
+    later = {name: at for name, at in diverged.items() if at > 0}
+    assert len(later) <= len(reqs) // 24, f"outputs differ from colocated: {detail}"
+
+
+def assert_same_as_colocated(got: Outcome, ref: Outcome, what: str, logs: Callable[[], str]) -> None:
+    """``got`` succeeded and its tokens are colocated's ``ref``'s, all of them, or it differs
+    from the first token on where colocated's own logprobs tie within ``NEAR_TIE``."""
+    assert got.ok, f"{what}: {got}\n{logs()}"
+    at = diverged_at(got.tokens, ref.tokens)
+    if at == 0 and first_token_gap(got, ref) <= NEAR_TIE:
+        return
+    assert at is None, f"{what}: P/D {got.tokens} != colocated {ref.tokens}"
+
+
+def first_token_gap(got: Outcome, ref: Outcome) -> float:
+    """Colocated's logprob of its first token minus that of ``got``'s (inf where ``got``'s
+    is not among colocated's best)."""
+    ref_top = top_logprobs(ref, 0)
+    return ref_top[ref.tokens[0]] - ref_top.get(got.tokens[0], float("-inf"))
 
 
 def top_logprobs(outcome: Outcome, position: int) -> dict[int, float]:
-    """The best tokens at ``position`` of a completion asked with ``logprobs`` and
-    ``return_tokens_as_token_ids``: token id -> logprob."""
-    tops = outcome.body["choices"][0]["logprobs"]["top_logprobs"][position]
+    """The best tokens at ``position`` of a completion or chat completion asked with
+    logprobs and ``return_tokens_as_token_ids``: token id -> logprob."""
+    logprobs = outcome.body["choices"][0]["logprobs"]
+    if "content" in logprobs:  # chat
+        tops = {t["token"]: t["logprob"] for t in logprobs["content"][position]["top_logprobs"]}
+    else:
+        tops = logprobs["top_logprobs"][position]
     return {int(key.removeprefix("token_id:")): lp for key, lp in tops.items()}
 
 

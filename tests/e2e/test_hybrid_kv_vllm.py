@@ -46,7 +46,7 @@ from helpers import (
     wait_for,
     wait_tables_zero,
 )
-from outputs import assert_all_ok, differences_at_ties, diverged_at
+from outputs import NEAR_TIE, assert_all_ok, differences_at_ties, diverged_at
 
 from pushsvc.launch import Proc, connector_config
 from pushsvc.tinymodel import ensure_tiny_model
@@ -60,7 +60,6 @@ LAYERS, KV_HEADS, HEAD_DIM = 6, 2, 64
 GROUP_BLOCK_BYTES = 2 * 2 * BLOCK * KV_HEADS * HEAD_DIM * KV_ELEMENT_BYTES  # 2 layers a group, K and V
 SETTLE_S = 15.0
 HMA_OFF = "Turning off hybrid kv cache manager"
-NEAR_TIE = 0.05  # nats between colocated's two best tokens where bf16 rounding may pick either
 
 
 @dataclass

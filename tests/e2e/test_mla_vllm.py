@@ -44,7 +44,7 @@ from helpers import (
     wait_for,
     wait_tables_zero,
 )
-from outputs import assert_all_ok, differences_at_ties
+from outputs import NEAR_TIE, assert_all_ok, differences_at_ties
 
 from pushsvc.launch import Proc, connector_config
 from pushsvc.tinymodel import ensure_tiny_model
@@ -55,7 +55,6 @@ MODEL_DIR = "/tmp/pushsvc-e2e-dsv2"
 LAYERS = 4
 LATENT = 512 + 64  # kv_lora_rank + qk_rope_head_dim
 BLOCK = 16  # vLLM CPU forces 16-token blocks for MLA models
-NEAR_TIE = 0.05  # nats between colocated's two best tokens where bf16 rounding may pick either
 SETTLE_S = 15.0
 
 

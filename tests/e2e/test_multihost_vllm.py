@@ -43,7 +43,7 @@ from helpers import (
     text_with_tokens,
     wait_for,
 )
-from outputs import assert_like_colocated
+from outputs import assert_like_colocated, reference_request
 from netns import Host, Hosts
 
 from pushsvc.launch import Proc, connector_config
@@ -116,7 +116,7 @@ def cluster(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> 
     with kept_on_failure(request) as workdir, E2EStack(workdir, progress=print) as st, \
             Hosts(["p1", "p2", "d1", "d2", "proxy"]) as hosts:
         colocated = st.vllm("vllm-colocated", model_path)
-        refs = generate_all(colocated.url, reqs)
+        refs = generate_all(colocated.url, [reference_request(r) for r in reqs])
         bad = {r.name: str(refs[r.name]) for r in reqs if not refs[r.name].ok}
         assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
         st.stop(colocated)

@@ -42,7 +42,7 @@ from helpers import (
     wait_kv_usage,
     wait_tables_zero,
 )
-from outputs import assert_like_colocated
+from outputs import assert_like_colocated, assert_same_as_colocated
 from pushsvc.client import DaemonClient
 from pushsvc.protocol import worker as wp
 from pushsvc.protocol.framing import PREAMBLE, encode_preamble, frame
@@ -88,9 +88,7 @@ def _proxy_client_gone(pd: PD) -> float:
 
 
 def _assert_same_as_colocated(pd: PD, name: str, got: Outcome) -> None:
-    assert got.ok, f"{name}: {got}\n{pd.logs()}"
-    ref = pd.refs[name]
-    assert got.tokens == ref.tokens, f"{name}: P/D {got.tokens} != colocated {ref.tokens}"
+    assert_same_as_colocated(got, pd.refs[name], name, pd.logs)
 
 
 def _verified(pd: PD) -> dict[str, float]:

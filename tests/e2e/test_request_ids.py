@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from helpers import PD, Outcome, generate, metric, scrape, wait_tables_zero
+from outputs import assert_same_as_colocated
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -30,9 +31,7 @@ ROUNDS = 3  # a crossed pairing depends on timing: give it several chances
 
 
 def _assert_colocated_output(pd: PD, name: str, got: Outcome, context: str) -> None:
-    assert got.ok, f"{name} ({context}): {got}\n{pd.logs()}"
-    assert got.tokens == pd.refs[name].tokens, (
-        f"{name} ({context}): P/D {got.tokens} != colocated {pd.refs[name].tokens}")
+    assert_same_as_colocated(got, pd.refs[name], f"{name} ({context})", pd.logs)
 
 
 def test_two_concurrent_requests_with_one_request_id_each_get_their_own_output(pd: PD) -> None:

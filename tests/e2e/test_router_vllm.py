@@ -50,7 +50,7 @@ from helpers import (
     wait_kv_usage,
     wait_tables_zero,
 )
-from outputs import assert_like_colocated
+from outputs import assert_like_colocated, assert_same_as_colocated
 from relay import Relay
 
 from pushsvc.launch import Proc
@@ -129,8 +129,7 @@ class KVFromP:
 
 
 def _assert_colocated(pd: PD, name: str, got: Outcome) -> None:
-    assert got.ok, f"{name} through vllm-router: {got}\n{pd.logs()}"
-    assert got.tokens == pd.refs[name].tokens, f"{name}: via router {got.tokens} != colocated {pd.refs[name].tokens}"
+    assert_same_as_colocated(got, pd.refs[name], f"{name} through vllm-router", pd.logs)
 
 
 def _newest_timeline(daemon_url: str) -> dict[str, Any]:
