@@ -30,6 +30,9 @@ from pushsvc.tinymodel import ensure_tiny_model
 # Longer than the benchmarks' minute: the demo is one try on whatever machine it is run,
 # where a slow request is worth showing rather than cutting off.
 REQUEST_TIMEOUT_S = 180.0
+# Best candidates asked for with each token, from both deployments alike: colocated's tell
+# whether a first token P/D answered differently was a bf16 near-tie (report.compare).
+TOP_LOGPROBS = 5
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ def _batch(console: Console, label: str, url: str, model: str, prompts: Sequence
 
     console.status(label, f"  {label}: 0/{len(prompts)} requests done")
     results, wall_s = run_batch(url, model, prompts, max_tokens=options.max_tokens, concurrency=options.concurrency,
-                                on_result=finished, timeout_s=REQUEST_TIMEOUT_S)
+                                on_result=finished, timeout_s=REQUEST_TIMEOUT_S, top_logprobs=TOP_LOGPROBS)
     failed = sum(not r.ok for r in results)
     summary = f"  {label}: {len(results)} request{'s' if len(results) > 1 else ''} in {wall_s:.1f}s"
     if failed:

@@ -37,6 +37,7 @@ class Script:
     error_after: int | None = None  # an error event after this many tokens
     done: bool = True  # end with [DONE]
     hang_s: float = 0.0  # before the response headers
+    top_logprobs: tuple[dict[str, float], ...] = ()  # per token, sent where the request asks ``logprobs``
 
 
 @dataclass
@@ -59,6 +60,7 @@ class SSEServer:
             self.in_flight -= 1
 
     async def _answer(self, request: web.Request, script: Script) -> web.StreamResponse:
+        asked_logprobs = bool(self.bodies[-1].get("logprobs"))
         await asyncio.sleep(script.hang_s)
         if script.status != 200:
             return web.json_response({"error": {"message": "no capacity"}}, status=script.status)
@@ -71,7 +73,12 @@ class SSEServer:
                 return response
             if i:
                 await asyncio.sleep(script.gap_s)
-            await _event(response, {"choices": [{"index": 0, "text": text}]})
+            choice: dict[str, Any] = {"index": 0, "text": text}
+            if asked_logprobs:  # vLLM's shape: one entry per token of the chunk
+                top = script.top_logprobs[i]
+                choice["logprobs"] = {"text_offset": [0], "token_logprobs": [top[text]], "tokens": [text],
+                                      "top_logprobs": [top]}
+            await _event(response, {"choices": [choice]})
         await _event(response, {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": len(script.tokens)}})
         if script.done:
             await response.write(b"data: [DONE]\n\n")
@@ -122,6 +129,19 @@ async def test_a_streamed_request_is_timed_token_by_token() -> None:
     assert server.request_ids == ["run1-p-0"]
     assert server.bodies == [client.request_body(MODEL, "prompt number 0", 3)]
     assert server.bodies[0]["stream"] is True and server.bodies[0]["ignore_eos"] is True
+
+
+@pytest.mark.asyncio
+async def test_asked_with_top_logprobs_each_tokens_candidates_are_kept() -> None:
+    tops = ({"Hel": -1.0, "Hi": -1.0}, {"lo": -0.5, "p": -2.0}, {"!": -0.1, ".": -3.0})
+    async with sse_server(Script(top_logprobs=tops)) as server:
+        plain = await _one(server)
+        asked = await _one(server, top_logprobs=2)
+    assert "logprobs" not in server.bodies[0] and plain.top_logprobs == []
+    assert server.bodies[1] == client.request_body(MODEL, "prompt number 0", 3, top_logprobs=2)
+    assert server.bodies[1]["logprobs"] == 2
+    assert asked.text == "Hello!" and asked.top_logprobs == list(tops)
+    assert "top_logprobs" not in asked.to_json() and "chunks" not in asked.to_json()
 
 
 @pytest.mark.asyncio
