@@ -49,9 +49,11 @@ from pushsvc.proxy.upstream import (
     UpstreamError,
     fetch_coordinates,
     probe,
+    reuse_tracing,
     status_error,
     translate,
 )
+from pushsvc.proxy.upstream import post as upstream_post  # beside aiohttp's session.post
 
 _log = get_logger("pushsvc.proxy")
 
@@ -120,6 +122,7 @@ class Proxy:
         self.metrics = ProxyMetrics()
         self.infos = DaemonInfoCache(self._fetch_coordinates)
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # no pooling: a POST's second try
         self._probe_task: asyncio.Task[None] | None = None
         # ``sock_connect`` rather than ``connect``: waiting for a pooled connection is not
         # the backend's fault.
@@ -132,10 +135,13 @@ class Proxy:
     # ------------------------------------------------------------ lifecycle
 
     async def startup(self, app: web.Application) -> None:
-        # vLLM's uvicorn drops idle keep-alive connections after 5 s; a POST that races that
-        # close fails and is not retried, so pooled connections are given up a little earlier.
+        # vLLM's uvicorn drops idle keep-alive connections after 5 s, so pooled connections
+        # are given up a little earlier; a server whose loop is held up closes late, and a
+        # POST sent meanwhile fails: it goes again on a new connection (``upstream.post``).
         connector = aiohttp.TCPConnector(limit=self.config.max_connections, keepalive_timeout=BACKEND_KEEPALIVE_S)
-        self._session = aiohttp.ClientSession(connector=connector)
+        self._session = aiohttp.ClientSession(connector=connector, trace_configs=[reuse_tracing()])
+        self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.config.max_connections,
+                                                                           force_close=True))
         if self.config.health_interval_s > 0:
             self._probe_task = asyncio.create_task(self._probe_loop())
 
@@ -145,14 +151,27 @@ class Proxy:
             await asyncio.wait([self._probe_task])
             self._probe_task = None
         await self.infos.close()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         assert self._session is not None, "proxy app not started"
         return self._session
+
+    async def _post(self, ex: Exchange, leg: str, backend: Backend, data: bytes,
+                    timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        """One leg's POST to ``backend``; sent again on a new connection where the pooled
+        one turned out closed by the backend (``upstream.post``)."""
+        def again(exc: BaseException) -> None:
+            self.metrics.stale_connections.labels(leg).inc()
+            ex.log.info("backend_connection_stale", leg=leg, backend=backend.url, error=str(exc) or type(exc).__name__)
+
+        assert self._fresh is not None, "proxy app not started"
+        return await upstream_post(self.session, self._fresh, backend.url + legs.PATHS[ex.endpoint], again, data=data,
+                                   headers=ex.headers, timeout=timeout, allow_redirects=False)
 
     # ------------------------------------------------------------ routes
 
@@ -323,10 +342,7 @@ class Proxy:
         backend = ex.prefill
         data = legs.encode_body(legs.prefill_body(ex.body, ex.endpoint, ex.transfer_id))
         try:
-            async with self.session.post(
-                backend.url + legs.PATHS[ex.endpoint], data=data, headers=ex.headers,
-                timeout=self._call_timeout, allow_redirects=False,
-            ) as response:
+            async with await self._post(ex, PREFILL, backend, data, self._call_timeout) as response:
                 if not 200 <= response.status < 300:
                     raise await status_error(PREFILL, response)
                 # One token, discarded (P's work is the KV it pushes), and P's coordinates.
@@ -373,10 +389,8 @@ class Proxy:
         data = legs.encode_body(legs.decode_body(ex.body, coords, self.config.remote_tp_size, ex.transfer_id))
         response: aiohttp.ClientResponse | None = None
         try:
-            response = await self.session.post(
-                backend.url + legs.PATHS[ex.endpoint], data=data, headers=ex.headers,
-                timeout=self._stream_timeout if stream else self._call_timeout, allow_redirects=False,
-            )
+            response = await self._post(ex, DECODE, backend, data,
+                                        self._stream_timeout if stream else self._call_timeout)
             if not 200 <= response.status < 300:
                 raise await status_error(DECODE, response)
             ex.mark("decode_answered")

@@ -47,6 +47,14 @@ class ProxyMetrics:
             "Exchanges sent to another P because the first refused the connection (nothing had been sent)",
             registry=r,
         )
+        self.stale_connections = Counter(
+            "pushsvc_proxy_stale_connections",
+            "Backend calls sent again on a new connection: the pooled one had been closed by the backend "
+            "(no answer had come)",
+            ["leg"], registry=r,
+        )
+        for leg in ("prefill", "decode"):
+            self.stale_connections.labels(leg)
         self.prefix_affinity = Counter(
             "pushsvc_proxy_prefix_affinity",
             "Prefill picks by prefix affinity: hit (sent to the P that took the prompt's start), "

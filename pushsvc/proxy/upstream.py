@@ -6,6 +6,11 @@ kind and the status the client gets (502 unreachable, 504 timed out, else the ba
 
 from __future__ import annotations
 
+import errno
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
 import aiohttp
 import msgspec
 
@@ -44,6 +49,54 @@ class UpstreamError(PushsvcError):
     def unreachable(self) -> bool:
         """The backend could not be connected to: it is down, not merely slow or unhappy."""
         return self.kind == CONNECT
+
+
+# How a backend that closed a kept-alive connection shows when we send on it: it closed
+# cleanly (ServerDisconnectedError), or with our request unread in its buffer (a reset).
+_CLOSED_BY_PEER = (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED)
+
+
+def reuse_tracing() -> aiohttp.TraceConfig:
+    """Marks a call's ``trace_request_ctx`` (a ``SimpleNamespace``) ``reused`` when its
+    connection came from the pool rather than a new connect."""
+
+    async def reused(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: object) -> None:
+        if isinstance(ctx.trace_request_ctx, SimpleNamespace):
+            ctx.trace_request_ctx.reused = True
+
+    config = aiohttp.TraceConfig()
+    config.on_connection_reuseconn.append(reused)
+    return config
+
+
+def stale(exc: BaseException, reused: bool) -> bool:
+    """A call on a pooled connection failed before any answer because the backend had
+    closed that connection: vLLM's server closes one idle for 5 s, and a server whose loop
+    was held up closes it late, discarding a request that arrived meanwhile unread."""
+    if not reused or isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _CLOSED_BY_PEER
+
+
+async def post(session: aiohttp.ClientSession, fresh: aiohttp.ClientSession, url: str,
+               on_stale: Callable[[BaseException], None], **kwargs: Any) -> aiohttp.ClientResponse:
+    """POST ``url`` through ``session`` (whose connector traces ``reuse_tracing``); where
+    that failed on a stale pooled connection (``stale``), once more through ``fresh``,
+    which always connects anew, after ``on_stale``. No answer had come, and a server that is
+    up closes a kept-alive connection only between requests, so it did not take the first
+    try; one that died with it takes nothing more (the new connection is refused, and the
+    caller sees an unreachable backend). A connection made for the call is never tried
+    again: nothing says its backend did not read the request. ``data`` must be bytes."""
+    ctx = SimpleNamespace(reused=False)
+    try:
+        return await session.post(url, trace_request_ctx=ctx, **kwargs)
+    except aiohttp.ClientError as exc:
+        if not stale(exc, ctx.reused):
+            raise
+        on_stale(exc)
+    return await fresh.post(url, **kwargs)
 
 
 def translate(exc: BaseException, leg: str, url: str, what: str | None = None) -> UpstreamError:
