@@ -1,7 +1,8 @@
-"""Fixtures of the end-to-end tests: a tiny model, reference outputs from a colocated vLLM,
-and one P/D stack (two daemons, vLLM P and D with the pushsvc connector, the proxy) per test
-module, which its tests share (every vLLM server costs ~45 s of start-up on this host); a
-module's stack stops before the next module's starts.
+"""Fixtures of the end-to-end tests: a tiny model, reference outputs from a colocated vLLM
+(once per session: every module that compares against them shares them), and one P/D stack
+(two daemons, vLLM P and D with the pushsvc connector, the proxy) per test module, which
+its tests share (every vLLM server costs ~45 s of start-up on this host); a module's stack
+stops before the next module's starts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from helpers import (
     PD,
     WATCHDOG_S,
     E2EStack,
+    Outcome,
     PDOptions,
     build_requests,
     generate_all,
@@ -76,26 +78,36 @@ def _start_in_parallel(**starters: Any) -> dict[str, Proc]:
         return {name: f.result() for name, f in futures.items()}
 
 
-def start_pd(workdir: Path, model_path: str, tokenizer: Any, flags: dict[str, tuple[str, ...]] | None = None,
-             *, with_refs: bool = True, prefill_extra: dict[str, Any] | None = None) -> Iterator[PD]:
-    """Start a P/D stack (after the colocated reference outputs, unless ``with_refs`` is
-    false) and yield it; stopped on exit. ``flags`` are each daemon's, default lease and
-    watchdog; ``prefill_extra``: more of P's ``kv_connector_extra_config``."""
+@pytest.fixture(scope="session")
+def colocated_refs(request: pytest.FixtureRequest, model_path: str, tokenizer: Any) -> dict[str, Outcome]:
+    """Colocated vLLM's answers to every request of ``build_requests`` (each with its best
+    tokens' logprobs: ``reference_request``), by request name. One server, started, asked
+    and stopped here before any P/D stack of the modules that use them: its settings are
+    the same for all of them, so are its greedy answers."""
+    reqs = build_requests(tokenizer, model_path).all()
+    with kept_on_failure(request) as workdir, E2EStack(workdir, progress=print) as st:
+        started = time.monotonic()
+        colocated = st.vllm("vllm-colocated", model_path)
+        refs = generate_all(colocated.url, [reference_request(r) for r in reqs])
+        bad = {r.name: str(refs[r.name]) for r in reqs
+               if not refs[r.name].ok or len(refs[r.name].tokens) != r.body["max_tokens"]}
+        assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
+        print(f"  reference outputs in {time.monotonic() - started:.1f}s")
+    return refs
+
+
+def start_pd(workdir: Path, model_path: str, tokenizer: Any, refs: dict[str, Outcome],
+             flags: dict[str, tuple[str, ...]] | None = None, *,
+             prefill_extra: dict[str, Any] | None = None) -> Iterator[PD]:
+    """Start a P/D stack and yield it; stopped on exit. ``refs``: the colocated reference
+    outputs its tests compare against (``colocated_refs``, or none); ``flags`` are each
+    daemon's, default lease and watchdog; ``prefill_extra``: more of P's
+    ``kv_connector_extra_config``."""
     progress = print  # shown with -s, and in the report of a failed test's setup
     reqs = build_requests(tokenizer, model_path)
     verify = _daemon_supports("--verify")
     with E2EStack(workdir, progress=progress) as st:
         started = time.monotonic()
-        refs: dict[str, Any] = {}
-        if with_refs:
-            colocated = st.vllm("vllm-colocated", model_path)
-            refs = generate_all(colocated.url, [reference_request(r) for r in reqs.all()])
-            bad = {r.name: str(refs[r.name]) for r in reqs.all()
-                   if not refs[r.name].ok or len(refs[r.name].tokens) != r.body["max_tokens"]}
-            assert not bad, f"colocated reference requests failed: {bad}\n{colocated.tail()}"
-            st.stop(colocated)  # free both cores before P and D start
-            progress(f"  reference outputs in {time.monotonic() - started:.1f}s")
-
         common = ("--verify",) if verify else ()
         flags = flags or {"prefill": ("--lease-s", str(LEASE_S)), "decode": ("--watchdog-s", str(WATCHDOG_S))}
         flags = {name: (*f, *common) for name, f in flags.items()}
@@ -135,6 +147,7 @@ def pd_options() -> PDOptions:
 # starts, so one vLLM pair at a time shares the host.
 @pytest.fixture(scope="module")
 def pd(request: pytest.FixtureRequest, model_path: str, tokenizer: Any, pd_options: PDOptions) -> Iterator[PD]:
+    refs = request.getfixturevalue("colocated_refs") if pd_options.with_refs else {}
     with kept_on_failure(request) as workdir:
-        yield from start_pd(workdir, model_path, tokenizer, pd_options.flags, with_refs=pd_options.with_refs,
+        yield from start_pd(workdir, model_path, tokenizer, refs, pd_options.flags,
                             prefill_extra=pd_options.prefill_extra)

@@ -212,7 +212,7 @@ class PDOptions:
     """How a module's stack is started; a test module overrides the ``pd_options`` fixture."""
 
     flags: dict[str, tuple[str, ...]] | None = None  # each daemon's flags; None: the default lease and watchdog
-    with_refs: bool = True  # colocated reference outputs first (one more vLLM start)
+    with_refs: bool = True  # the colocated reference outputs (once per session: conftest's colocated_refs)
     prefill_extra: dict[str, object] | None = None  # more kv_connector_extra_config for P
 
 
