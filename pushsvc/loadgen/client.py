@@ -79,7 +79,8 @@ async def complete(session: aiohttp.ClientSession, base_url: str, model: str, pr
     stamps: list[float] = []  # perf_counter() at each streamed choice
     start = time.perf_counter()
     try:
-        async with session.post(f"{base_url}/v1/completions", json=request_body(model, prompt.text, max_tokens, top_logprobs),
+        body = request_body(model, prompt.text, max_tokens, top_logprobs)
+        async with session.post(f"{base_url}/v1/completions", json=body,
                                 headers={"X-Request-Id": request_id or prompt.request_id}) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {await response.text()}"

@@ -43,7 +43,7 @@ def assert_like_colocated(got: dict[str, Outcome], refs: dict[str, Outcome], req
     diverged = {r.name: diverged_at(got[r.name].tokens, refs[r.name].tokens) for r in reqs}
     diverged = {name: at for name, at in diverged.items() if at is not None}
     detail = {name: (got[name].tokens, refs[name].tokens) for name in diverged}
-    first = {name: first_token_gap(got[name], refs[name]) for name, at in diverged.items() if at == 0}
+    first = {name: logprob_gap(refs[name], got[name], 0) for name, at in diverged.items() if at == 0}
     assert all(gap <= NEAR_TIE for gap in first.values()), (
         f"first token differs from colocated beyond a near-tie (colocated's gap, nats: {first}): {detail}")
     later = {name: at for name, at in diverged.items() if at > 0}
@@ -55,16 +55,16 @@ def assert_same_as_colocated(got: Outcome, ref: Outcome, what: str, logs: Callab
     from the first token on where colocated's own logprobs tie within ``NEAR_TIE``."""
     assert got.ok, f"{what}: {got}\n{logs()}"
     at = diverged_at(got.tokens, ref.tokens)
-    if at == 0 and first_token_gap(got, ref) <= NEAR_TIE:
+    if at == 0 and logprob_gap(ref, got, 0) <= NEAR_TIE:
         return
     assert at is None, f"{what}: P/D {got.tokens} != colocated {ref.tokens}"
 
 
-def first_token_gap(got: Outcome, ref: Outcome) -> float:
-    """Colocated's logprob of its first token minus that of ``got``'s (inf where ``got``'s
-    is not among colocated's best)."""
-    ref_top = top_logprobs(ref, 0)
-    return ref_top[ref.tokens[0]] - ref_top.get(got.tokens[0], float("-inf"))
+def logprob_gap(scored: Outcome, other: Outcome, at: int) -> float:
+    """By ``scored``'s own logprobs at position ``at``: its token's minus ``other``'s token's
+    (inf where ``other``'s is not among ``scored``'s best)."""
+    top = top_logprobs(scored, at)
+    return top[scored.tokens[at]] - top.get(other.tokens[at], float("-inf"))
 
 
 def top_logprobs(outcome: Outcome, position: int) -> dict[int, float]:
@@ -89,11 +89,10 @@ def differences_at_ties(reqs: Sequence[Req], got: dict[str, Outcome], refs: dict
         at = diverged_at(mine.tokens, ref.tokens)
         if at is None:
             continue
-        ref_top, my_top = top_logprobs(ref, at), top_logprobs(mine, at)
         ours, theirs = mine.tokens[at], ref.tokens[at]
-        gap = ref_top[theirs] - ref_top.get(ours, float("-inf"))
+        gap = logprob_gap(ref, mine, at)
         report.append(f"{req.name}: token {at}, colocated {theirs} vs P/D {ours}, colocated's gap {gap:.4f} nats, "
-                      f"P/D's {my_top[ours] - my_top.get(theirs, float('-inf')):.4f}")
+                      f"P/D's {logprob_gap(mine, ref, at):.4f}")
         if not gap <= near_tie:
             not_ties[req.name] = report[-1]
     return report, not_ties
