@@ -1,0 +1,121 @@
+"""Does a copy launched by one process overlap kernels another process keeps running on the
+same GPU? The question behind the same-host push's layer-wise copies (docs/gpu.md): P's
+daemon copies each layer into D's KV while P's worker runs the forward pass. Two
+processes' kernels do not share the GPU's SMs (no MPS); each holds them in turn, a time
+slice at a time. Copy engines are scheduled apart from the SMs.
+
+One process keeps the GPU busy (``--busy sleep``: a spinning kernel on one SM, as the GPU
+tests' simulated layers; ``matmul``: bf16 matmuls on every SM, as a forward pass), another
+times, on the host's clock from the launch until its stream is done, a copy of N MiB of
+32 KiB rows (a layer half of one vLLM-shaped block) done two ways:
+
+* ``kernel``: one gather kernel (``index_copy_`` over int64 rows, scattered ids), SMs;
+* ``memcpy``: one ``cudaMemcpyAsync`` of the same bytes (``copy_`` of contiguous
+  tensors), which the driver gives a copy engine;
+* ``memcpy x64``: the same bytes in 64 ``cudaMemcpyAsync`` calls (runs of blocks).
+
+Each against the same copy with the GPU idle. Prints a table, writes ``gpu_overlap.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+from pathlib import Path
+
+ROW = 32 * 1024  # bytes: 16 tokens x 8 KV heads x 128 dim bf16
+
+
+def _busy(kind: str, ready, stop) -> None:
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    torch.cuda.synchronize()
+    ready.set()
+    while not stop.is_set():
+        for _ in range(4):
+            if kind == "sleep":
+                torch.cuda._sleep(2_000_000)
+            else:
+                a @ b
+        torch.cuda.synchronize()
+
+
+def _timed(launch, repeats: int) -> float:
+    import torch
+
+    stream = torch.cuda.current_stream()
+    times = []
+    for _ in range(repeats + 1):
+        stream.synchronize()
+        started = time.perf_counter()
+        launch()
+        stream.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def copies(sizes_mib: list[int], repeats: int) -> dict[str, float]:
+    import torch
+
+    out = {}
+    for mib in sizes_mib:
+        rows = (mib << 20) // ROW
+        src = torch.randint(0, 1 << 60, (rows, ROW // 8), device="cuda", dtype=torch.int64)
+        dst = torch.empty_like(src)
+        ids = torch.randperm(rows, device="cuda")
+        pieces = list(zip(src.chunk(64), dst.chunk(64)))
+
+        def runs() -> None:
+            for s, d in pieces:
+                d.copy_(s)
+
+        out[f"{mib} kernel"] = _timed(lambda: dst.index_copy_(0, ids, src), repeats)
+        out[f"{mib} memcpy"] = _timed(lambda: dst.copy_(src), repeats)
+        out[f"{mib} memcpy x64"] = _timed(runs, repeats)
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes-mib", default="16,128,512")
+    ap.add_argument("--busy", default="sleep,matmul")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes_mib.split(",")]
+    ctx = mp.get_context("spawn")
+    results = {"idle": copies(sizes, args.repeats)}
+    for kind in args.busy.split(","):
+        ready, stop = ctx.Event(), ctx.Event()
+        proc = ctx.Process(target=_busy, args=(kind, ready, stop), daemon=True)
+        proc.start()
+        if not ready.wait(120):
+            raise SystemExit(f"the {kind} process did not start")
+        time.sleep(0.2)
+        try:
+            results[kind] = copies(sizes, args.repeats)
+        finally:
+            stop.set()
+            proc.join(30)
+    conditions = list(results)
+    print("| copy | MiB | " + " | ".join(f"{c} ms" for c in conditions) + " |")
+    print("|---|---:|" + "---:|" * len(conditions))
+    for key in results["idle"]:
+        mib, method = key.split(" ", 1)
+        print(f"| {method} | {mib} | " + " | ".join(f"{results[c][key] * 1e3:.3f}" for c in conditions) + " |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_overlap.json").write_text(json.dumps(
+        {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": args.repeats, "row_bytes": ROW,
+         "seconds": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
