@@ -4,8 +4,10 @@ daemon copies each layer into D's KV while P's worker runs the forward pass. Two
 processes' kernels do not share the GPU's SMs (no MPS); each holds them in turn, a time
 slice at a time. Copy engines are scheduled apart from the SMs.
 
-One process keeps the GPU busy (``--busy sleep``: a spinning kernel on one SM, as the GPU
-tests' simulated layers; ``matmul``: bf16 matmuls on every SM, as a forward pass), another
+One process keeps the GPU busy (``--busy sleep``: a spinning kernel on one SM, ~1 ms, as
+the GPU tests' simulated layers; ``matmul``: bf16 matmuls on every SM, as a forward pass),
+``--depth`` kernels queued between two waits for the GPU (the GPU is idle for that process
+only in those waits), another
 times, on the host's clock from the launch until its stream is done, a copy of N MiB of
 32 KiB rows (a layer half of one vLLM-shaped block) done two ways:
 
@@ -30,7 +32,7 @@ from pathlib import Path
 ROW = 32 * 1024  # bytes: 16 tokens x 8 KV heads x 128 dim bf16
 
 
-def _busy(kind: str, ready, stop) -> None:
+def _busy(kind: str, depth: int, ready, stop) -> None:
     import torch
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -38,7 +40,7 @@ def _busy(kind: str, ready, stop) -> None:
     torch.cuda.synchronize()
     ready.set()
     while not stop.is_set():
-        for _ in range(4):
+        for _ in range(depth):
             if kind == "sleep":
                 torch.cuda._sleep(2_000_000)
             else:
@@ -87,6 +89,8 @@ def main() -> None:
     ap.add_argument("--sizes-mib", default="16,128,512")
     ap.add_argument("--busy", default="sleep,matmul")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--depth", type=int, default=4,
+                    help="kernels the busy process queues between two waits for the GPU (its idle gaps)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes_mib.split(",")]
@@ -94,7 +98,7 @@ def main() -> None:
     results = {"idle": copies(sizes, args.repeats)}
     for kind in args.busy.split(","):
         ready, stop = ctx.Event(), ctx.Event()
-        proc = ctx.Process(target=_busy, args=(kind, ready, stop), daemon=True)
+        proc = ctx.Process(target=_busy, args=(kind, args.depth, ready, stop), daemon=True)
         proc.start()
         if not ready.wait(120):
             raise SystemExit(f"the {kind} process did not start")
