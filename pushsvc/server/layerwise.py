@@ -249,7 +249,7 @@ class Layerwise:
             write.handles.extend(handles)
             write.posted_at = now
             self._metrics.write_parts.inc(len(handles))
-            self._timelines.mark(rank, SEND, write.match.request_id, "write_posted")
+            self._mark_posted(rank, write, layered.all_posted)
         # The parts posted before are checked after this post: one that landed meanwhile
         # gets its notification sent now (``post_parts``).
         self._settle(rank, write, [rank.agent.state(h) for h in write.handles[:earlier]] + xstates)
@@ -270,11 +270,20 @@ class Layerwise:
                 write.posted_at = now
                 if first:
                     self._metrics.ipc_copies.inc()
-                self._timelines.mark(rank, SEND, write.match.request_id, "write_posted")
+                self._mark_posted(rank, write, copy.all_posted)
             if error:
                 write.failed = ("write_submit_failed", error)
         self._settle(rank, write, [])
         self._wake()
+
+    def _mark_posted(self, rank: Rank, write: Write, last: bool) -> None:
+        """The timeline's ``write_posted`` (the first piece) and ``write_all_posted`` (the
+        last): after the pass, what P's loop took to post the last layer, apart from what
+        the transfer took after it (``write_settled``)."""
+        rid = write.match.request_id
+        self._timelines.mark(rank, SEND, rid, "write_posted")
+        if last:
+            self._timelines.mark(rank, SEND, rid, "write_all_posted")
 
     def stop(self, rank: Rank, write: Write, failure: tuple[str, str]) -> None:
         """Post nothing more of a layer-wise WRITE: it fails once what was posted settled."""

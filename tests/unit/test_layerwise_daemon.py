@@ -72,7 +72,7 @@ async def test_each_layer_goes_once_final_and_d_hears_once_the_last_one_landed()
         assert status == 200
         events = body["timelines"][0]["events_ms"]
         assert sorted(events, key=events.get) == ["send_start", "matched", "write_posted", "prefill_done",
-                                                  "write_settled", "send_done"]
+                                                  "write_all_posted", "write_settled", "send_done"]
         await assert_tables_empty(p, d)
 
 

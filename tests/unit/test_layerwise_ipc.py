@@ -87,7 +87,8 @@ async def test_each_layer_is_copied_into_ds_kv_once_its_event_is_done() -> None:
         assert metric(p, "pushsvc_write_parts_total") == parts, "no NIXL WRITE"
         assert metric(p, "pushsvc_ipc_copies_total") == 1
         events = p.service.timelines.recent(1, "r")[0]["events_ms"]
-        assert sorted(events, key=events.get)[:4] == ["send_start", "matched", "write_posted", "prefill_done"]
+        assert sorted(events, key=events.get)[:5] == ["send_start", "matched", "write_posted", "prefill_done",
+                                                      "write_all_posted"]
         pw.events[-1].record()
         pw.send(wp.StepSaved(step=3))
         pw.events[-1].finish()
