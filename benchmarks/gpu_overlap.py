@@ -2,7 +2,7 @@
 same GPU? The question behind the same-host push's layer-wise copies (docs/gpu.md): P's
 daemon copies each layer into D's KV while P's worker runs the forward pass. Two
 processes' kernels do not share the GPU's SMs (no MPS); each holds them in turn, a time
-slice at a time. Copy engines are scheduled apart from the SMs.
+slice at a time. Whether a ``cudaMemcpyAsync`` escapes that is what ``memcpy`` shows.
 
 One process keeps the GPU busy (``--busy sleep``: a spinning kernel on one SM, ~1 ms, as
 the GPU tests' simulated layers; ``matmul``: bf16 matmuls on every SM, as a forward pass),
@@ -13,7 +13,7 @@ times, on the host's clock from the launch until its stream is done, a copy of N
 
 * ``kernel``: one gather kernel (``index_copy_`` over int64 rows, scattered ids), SMs;
 * ``memcpy``: one ``cudaMemcpyAsync`` of the same bytes (``copy_`` of contiguous
-  tensors), which the driver gives a copy engine;
+  tensors; copy engine or SMs is the driver's choice);
 * ``memcpy x64``: the same bytes in 64 ``cudaMemcpyAsync`` calls (runs of blocks).
 
 Each against the same copy with the GPU idle. Prints a table, writes ``gpu_overlap.json``.
