@@ -7,9 +7,9 @@ slice at a time. Whether a ``cudaMemcpyAsync`` escapes that is what ``memcpy`` s
 One process keeps the GPU busy (``--busy sleep``: a spinning kernel on one SM, ~1 ms, as
 the GPU tests' simulated layers; ``matmul``: bf16 matmuls on every SM, as a forward pass),
 ``--depth`` kernels queued between two waits for the GPU (the GPU is idle for that process
-only in those waits), another
-times, on the host's clock from the launch until its stream is done, a copy of N MiB of
-32 KiB rows (a layer half of one vLLM-shaped block) done two ways:
+only in those waits). Another times, on the host's clock from the launch until its stream
+is done, a copy of N MiB of 32 KiB rows (a layer half of one vLLM-shaped block), three
+ways:
 
 * ``kernel``: one gather kernel (``index_copy_`` over int64 rows, scattered ids), SMs;
 * ``memcpy``: one ``cudaMemcpyAsync`` of the same bytes (``copy_`` of contiguous
