@@ -7,10 +7,10 @@ vLLM keeps its hybrid manager on for P and D; each request's KV goes as three pe
 block lists, the sliding-window groups carrying only the blocks their window still reads.
 The reference outputs come from a colocated vLLM with the hybrid manager *off* (every
 layer keeps every block), so equal outputs also show that the blocks D does not receive
-are blocks D never reads: one request at a time (each side), the first token of every
-output equals colocated's, and a later token may differ only where colocated's own two best
-tokens were within ``NEAR_TIE`` nats (D computes each prompt's last token again, so its
-bf16 sums round differently). Eight at a time, a batch's make-up changes the rounding
+are blocks D never reads: one request at a time (each side), every output equals
+colocated's, but that a token, the first one included, may differ where colocated's own
+logprobs for the two tokens were within ``NEAR_TIE`` nats (D computes each prompt's last
+token alone over P's KV, so its bf16 sums round differently; ``outputs.py``). Eight at a time, a batch's make-up changes the rounding
 too, so there the tests check only that every push lands byte-identical. The same runs
 measure the KV memory D saves: vLLM's own KV-cache capacity, in tokens, of the two (same
 KV memory, ``VLLM_CPU_KVCACHE_SPACE``).
@@ -46,7 +46,7 @@ from helpers import (
     wait_for,
     wait_tables_zero,
 )
-from outputs import NEAR_TIE, assert_all_ok, differences_at_ties, diverged_at
+from outputs import NEAR_TIE, assert_all_ok, differences_at_ties
 
 from pushsvc.launch import Proc, connector_config
 from pushsvc.tinymodel import ensure_tiny_model
@@ -150,9 +150,6 @@ def _push_all(pd: HybridPD, reqs: list[Req], concurrency: int) -> dict[str, Outc
 
 def test_outputs_match_colocated_and_every_push_verifies(hybrid: HybridPD) -> None:
     got = _push_all(hybrid, hybrid.reqs, concurrency=1)
-    first = {r.name: (got[r.name].tokens, hybrid.refs[r.name].tokens) for r in hybrid.reqs
-             if diverged_at(got[r.name].tokens, hybrid.refs[r.name].tokens) == 0}
-    assert not first, f"first token differs from colocated: {first}"
     report, not_ties = differences_at_ties(hybrid.reqs, got, hybrid.refs, NEAR_TIE)
     print(f"{len(hybrid.reqs) - len(report)} of {len(hybrid.reqs)} outputs equal colocated; the others:",
           *report, sep="\n  ")
