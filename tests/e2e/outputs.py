@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 
 from helpers import COMPLETIONS, Outcome, Req
 
-NEAR_TIE = 0.05  # nats between colocated's two best tokens where bf16 rounding may pick either
+from pushsvc.demo.report import NEAR_TIE  # nats between two tokens' logprobs that bf16 rounding may swap
+
 REFERENCE_TOP = 5  # best tokens the colocated reference returns at each position
 
 
