@@ -16,7 +16,10 @@ ways:
   tensors; copy engine or SMs is the driver's choice);
 * ``memcpy x64``: the same bytes in 64 ``cudaMemcpyAsync`` calls (runs of blocks).
 
-Each against the same copy with the GPU idle. Prints a table, writes ``gpu_overlap.json``.
+Each against the same copy with the GPU idle. ``--same-process``: also with the busy
+kernels queued by the copying process itself, on a stream of its own (what a copy the
+worker launched would meet: one process's streams share the GPU without time slices).
+Prints a table, writes ``gpu_overlap.json``.
 """
 
 from __future__ import annotations
@@ -32,37 +35,62 @@ from pathlib import Path
 ROW = 32 * 1024  # bytes: 16 tokens x 8 KV heads x 128 dim bf16
 
 
-def _busy(kind: str, depth: int, ready, stop) -> None:
-    import torch
+class _Load:
+    """Busy work of ``kind`` queued ``depth`` kernels at a time on a stream of its own."""
 
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    torch.cuda.synchronize()
+    def __init__(self, kind: str, depth: int) -> None:
+        import torch
+
+        self.kind, self.depth = kind, depth
+        self.stream = torch.cuda.Stream()
+        with torch.cuda.stream(self.stream):
+            self.a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+            self.b = torch.randn_like(self.a)
+        self.stream.synchronize()
+
+    def queue(self) -> None:
+        import torch
+
+        with torch.cuda.stream(self.stream):
+            for _ in range(self.depth):
+                if self.kind == "sleep":
+                    torch.cuda._sleep(2_000_000)
+                else:
+                    self.a @ self.b
+
+    def drain(self) -> None:
+        self.stream.synchronize()
+
+
+def _busy(kind: str, depth: int, ready, stop) -> None:
+    load = _Load(kind, depth)
     ready.set()
     while not stop.is_set():
-        for _ in range(depth):
-            if kind == "sleep":
-                torch.cuda._sleep(2_000_000)
-            else:
-                a @ b
-        torch.cuda.synchronize()
+        load.queue()
+        load.drain()
 
 
-def _timed(launch, repeats: int) -> float:
+def _timed(launch, repeats: int, load: _Load | None = None) -> float:
+    """Median seconds from ``launch()`` to its stream done; with ``load``, its busy kernels
+    queued in this process (on their own stream) just before each launch."""
     import torch
 
     stream = torch.cuda.current_stream()
     times = []
     for _ in range(repeats + 1):
         stream.synchronize()
+        if load is not None:
+            load.queue()
         started = time.perf_counter()
         launch()
         stream.synchronize()
         times.append(time.perf_counter() - started)
+        if load is not None:
+            load.drain()
     return statistics.median(times[1:])
 
 
-def copies(sizes_mib: list[int], repeats: int) -> dict[str, float]:
+def copies(sizes_mib: list[int], repeats: int, load: _Load | None = None) -> dict[str, float]:
     import torch
 
     out = {}
@@ -77,9 +105,9 @@ def copies(sizes_mib: list[int], repeats: int) -> dict[str, float]:
             for s, d in pieces:
                 d.copy_(s)
 
-        out[f"{mib} kernel"] = _timed(lambda: dst.index_copy_(0, ids, src), repeats)
-        out[f"{mib} memcpy"] = _timed(lambda: dst.copy_(src), repeats)
-        out[f"{mib} memcpy x64"] = _timed(runs, repeats)
+        out[f"{mib} kernel"] = _timed(lambda: dst.index_copy_(0, ids, src), repeats, load)
+        out[f"{mib} memcpy"] = _timed(lambda: dst.copy_(src), repeats, load)
+        out[f"{mib} memcpy x64"] = _timed(runs, repeats, load)
     torch.cuda.empty_cache()
     return out
 
@@ -91,6 +119,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--depth", type=int, default=4,
                     help="kernels the busy process queues between two waits for the GPU (its idle gaps)")
+    ap.add_argument("--same-process", action="store_true",
+                    help="also with the busy kernels queued by the copying process itself, on a stream of its own")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes_mib.split(",")]
@@ -108,6 +138,8 @@ def main() -> None:
         finally:
             stop.set()
             proc.join(30)
+        if args.same_process:  # the busy kernels in the copying process, on another stream
+            results[f"{kind}, same process"] = copies(sizes, args.repeats, _Load(kind, args.depth))
     conditions = list(results)
     print("| copy | MiB | " + " | ".join(f"{c} ms" for c in conditions) + " |")
     print("|---|---:|" + "---:|" * len(conditions))
