@@ -8,10 +8,11 @@ block lists, the sliding-window groups carrying only the blocks their window sti
 The reference outputs come from a colocated vLLM with the hybrid manager *off* (every
 layer keeps every block), so equal outputs also show that the blocks D does not receive
 are blocks D never reads: one request at a time (each side), every output equals
-colocated's, but that a token, the first one included, may differ where colocated's own
-logprobs for the two tokens were within ``NEAR_TIE`` nats (D computes each prompt's last
-token alone over P's KV, so its bf16 sums round differently; ``outputs.py``). Eight at a time, a batch's make-up changes the rounding
-too, so there the tests check only that every push lands byte-identical. The same runs
+colocated's, except that a token, the first one included, may differ where colocated's
+own logprobs for the two tokens were within ``NEAR_TIE`` nats (D computes each prompt's
+last token alone over P's KV, so its bf16 sums round differently; ``outputs.py``). Eight
+at a time, a batch's make-up changes the rounding too, so there the tests check only that
+every push lands byte-identical. The same runs
 measure the KV memory D saves: vLLM's own KV-cache capacity, in tokens, of the two (same
 KV memory, ``VLLM_CPU_KVCACHE_SPACE``).
 """
