@@ -43,10 +43,11 @@ class _Load:
 
         self.kind, self.depth = kind, depth
         self.stream = torch.cuda.Stream()
-        with torch.cuda.stream(self.stream):
-            self.a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-            self.b = torch.randn_like(self.a)
-        self.stream.synchronize()
+        if kind == "matmul":  # the sleep kernel needs no operands
+            with torch.cuda.stream(self.stream):
+                self.a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+                self.b = torch.randn_like(self.a)
+            self.stream.synchronize()
 
     def queue(self) -> None:
         import torch
