@@ -348,9 +348,10 @@ def main() -> None:
                     help="--layerwise: requests of each size whose prefill one forward pass ends")
     ap.add_argument("--layer-cycles", type=int, default=2_000_000,
                     help="--layerwise: GPU cycles each layer is kept busy (~1 ms at 2 GHz)")
-    ap.add_argument("--ipc", default="both", choices=["both", "off"],
+    ap.add_argument("--ipc", default="both", choices=["both", "off", "only"],
                     help="both: the daemon push over NIXL into D's landing buffer and the same-host push "
-                         "(ipc_push), side by side (with --layerwise too); off: only the former")
+                         "(ipc_push), side by side (with --layerwise too); off: only the former; only: "
+                         "only the latter (--layerwise)")
     ap.add_argument("--stream", type=int, default=8,
                     help="requests per stream: pushed back to back, in one step of each worker (0: no stream)")
     ap.add_argument("--stream-blocks", default="16,64,256,512",
@@ -358,6 +359,8 @@ def main() -> None:
     ap.add_argument("--p-gpu", type=int, default=None, help="P's GPU (default 0)")
     ap.add_argument("--d-gpu", type=int, default=None, help="D's GPU (default 1 where two are visible, else 0)")
     args = ap.parse_args()
+    if args.ipc == "only" and not args.layerwise:
+        ap.error("--ipc only goes with --layerwise (the whole-request figures compare both paths to NIXL)")
     from gpuprocs import gpu_for  # tests/gpu
 
     for name, value in (("PUSHSVC_P_GPU", args.p_gpu), ("PUSHSVC_D_GPU", args.d_gpu)):
@@ -373,7 +376,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.layerwise:
-        paths = ("landing", "same_host") if args.ipc == "both" else ("landing",)
+        paths = {"both": ("landing", "same_host"), "off": ("landing",), "only": ("same_host",)}[args.ipc]
         got = layerwise_compare(sizes, total, args.repeats, args.layer_cycles, paths, args.poll_spin_s, args.batch)
         cols = {f"{path}_{mode}": (mode, path) for path in paths for mode in ("whole", "layerwise")}
         rows = [{"blocks": n, "mib": n * BLOCK_BYTES >> 20,
