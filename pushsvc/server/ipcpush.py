@@ -264,6 +264,47 @@ class LayerCopy:
         return ipc_digests(memory, self.plan.target.layout, self.match)
 
 
+def launch_together(copies: list[LayerCopy]) -> tuple[list[CopyJob], list[str]]:
+    """Launch what each of ``copies`` has ``ready()`` (into one D, the same regions ready
+    in each: a step's requests at one of its layers): one launch per KV group and run of
+    adjacent regions (``entry_runs``), every copy's pairs in it, where ``LayerCopy.launch``
+    makes one per copy. The jobs launched, and per copy why its regions could not be
+    launched ("" if they were: they are marked copied).
+
+    If a merged launch is refused (the copier checks every pair again), each copy is
+    launched on its own, so that what one request holds fails that request only. The jobs
+    of the merged launches that went before stay among those returned: they write into
+    the blocks of every copy of the batch, and each waits for all of them."""
+    ready = copies[0].ready()
+    if len(copies) == 1:
+        jobs, error = copies[0].launch(ready)
+        return jobs, [error]
+    copier = copies[0].plan.target.copier
+    merged: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    for copy in copies:
+        for group, src, dst in copy.plan.pairs.groups:
+            srcs, dsts = merged.setdefault(group, ([], []))
+            srcs.append(src)
+            dsts.append(dst)
+    jobs: list[CopyJob] = []
+    try:
+        for group, (srcs, dsts) in merged.items():
+            src, dst = np.concatenate(srcs), np.concatenate(dsts)
+            for entries in entry_runs(copier.plan, group, ready):
+                jobs.append(copier.launch(group, src, dst, entries))
+    except DeviceError as exc:
+        log.warning("ipc_merged_launch_refused", copies=len(copies), error=str(exc))
+        errors = []
+        for copy in copies:
+            more, error = copy.launch(ready)
+            jobs.extend(more)
+            errors.append(error)
+        return jobs, errors
+    for copy in copies:
+        copy.copied[ready] = True
+    return jobs, [""] * len(copies)
+
+
 def launch_check(rank: Rank, peer: Peer | None, copy: LayerCopy, remote_agent: str) -> tuple[str, str] | None:
     """Why a layer of ``copy`` may not be launched now, as (failure kind, reason), or None:
     D's daemon gone or silent past the fence, or D's KV no longer mapped."""
@@ -282,7 +323,13 @@ def copies_settled(agent: Agent, write: Write) -> bool:
     """Whether ``write``'s copies all finished (never blocks). When they have, and none
     failed, D hears the completion notification, as it would after a WRITE."""
     try:
-        write.copies = [job for job in write.copies if not job.done()]
+        # One stream per device, so they finish in the order they were launched: the
+        # first not done ends the look (a layer-wise push holds up to one per layer).
+        copies = write.copies
+        done = 0
+        while done < len(copies) and copies[done].done():
+            done += 1
+        del copies[:done]
     except DeviceError as exc:
         # A device fault leaves the context unusable: no later query means more.
         write.copies = []

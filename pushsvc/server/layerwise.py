@@ -29,7 +29,7 @@ from pushsvc.engine.base import XferState
 from pushsvc.errors import DeviceError, ProtocolError, TransferError
 from pushsvc.metrics import Metrics
 from pushsvc.protocol import notif
-from pushsvc.server.ipcpush import LayerCopy, launch_check
+from pushsvc.server.ipcpush import LayerCopy, launch_check, launch_together
 from pushsvc.server.peers import Peer, PeerLink
 from pushsvc.server.ranks import Rank
 from pushsvc.server.timelines import Timelines
@@ -228,18 +228,26 @@ class Layerwise:
         self._post_more(rank, write, now)
 
     def _post_final(self, rank: Rank, rids: list[str]) -> None:
-        """Layers of ``rids`` became final: post what that allows of their WRITEs."""
+        """Layers of ``rids`` became final: post what that allows of their WRITEs, and
+        launch their same-host copies together (``_copy_more``)."""
         writes = self._writes(rank)
+        copies: list[Write] = []
         for rid in rids:
             write = writes.get(rid)
-            if write is not None and write.waiting_for_layers:
+            if write is None or not write.waiting_for_layers:
+                continue
+            if isinstance(write.layered, LayerCopy):
+                copies.append(write)
+            else:
                 self._post_more(rank, write, self._now())
+        if copies:
+            self._copy_more(rank, copies, self._now())
 
     def _post_more(self, rank: Rank, write: Write, now: float) -> None:
         layered = write.layered
         assert layered is not None
         if isinstance(layered, LayerCopy):
-            self._copy_more(rank, write, layered, now)
+            self._copy_more(rank, [write], now)
             return
         earlier = len(write.handles)
         handles, xstates, failed = layered.post_final(rank.agent, write.remote_agent)
@@ -255,25 +263,39 @@ class Layerwise:
         self._settle(rank, write, [rank.agent.state(h) for h in write.handles[:earlier]] + xstates)
         self._wake()
 
-    def _copy_more(self, rank: Rank, write: Write, copy: LayerCopy, now: float) -> None:
-        """Launch the copies of what is final and not copied yet, if D may still be written."""
-        ready = copy.ready()
-        if len(ready):
-            failure = launch_check(rank, self._peers.find_agent(write.remote_agent), copy, write.remote_agent)
-            if failure is not None:
-                self.stop(rank, write, failure)
-                return
-            first = not copy.copied.any()
-            jobs, error = copy.launch(ready)
-            if jobs:
-                write.copies.extend(jobs)
-                write.posted_at = now
-                if first:
-                    self._metrics.ipc_copies.inc()
-                self._mark_posted(rank, write, copy.all_posted)
-            if error:
-                write.failed = ("write_submit_failed", error)
-        self._settle(rank, write, [])
+    def _copy_more(self, rank: Rank, writes: list[Write], now: float) -> None:
+        """Launch the copies of what is final and not copied yet of ``writes`` (same-host
+        layer-wise pushes), of each whose D may still be written. Those into one D with the
+        same regions ready (a step's requests, at each of its layers) go in one launch per
+        KV group and run of regions (``launch_together``): a pass of 8 requests makes 32
+        launches, not 256."""
+        batches: dict[tuple[int, bytes], list[tuple[Write, LayerCopy]]] = {}
+        live: list[Write] = []  # those not stopped here (``stop`` settles what it stops)
+        for write in writes:
+            copy = write.layered
+            assert isinstance(copy, LayerCopy)
+            ready = copy.ready()
+            if len(ready):
+                failure = launch_check(rank, self._peers.find_agent(write.remote_agent), copy, write.remote_agent)
+                if failure is not None:
+                    self.stop(rank, write, failure)
+                    continue
+                batches.setdefault((id(copy.plan.target), ready.tobytes()), []).append((write, copy))
+            live.append(write)
+        for batch in batches.values():
+            firsts = [not copy.copied.any() for _, copy in batch]
+            jobs, errors = launch_together([copy for _, copy in batch])
+            for (write, copy), first, error in zip(batch, firsts, errors):
+                if jobs:  # each of the batch waits for every launch of it: none settles before all ran
+                    write.copies.extend(jobs)
+                    write.posted_at = now
+                    if first:
+                        self._metrics.ipc_copies.inc()
+                    self._mark_posted(rank, write, copy.all_posted)
+                if error:
+                    write.failed = ("write_submit_failed", error)
+        for write in live:
+            self._settle(rank, write, [])
         self._wake()
 
     def _mark_posted(self, rank: Rank, write: Write, last: bool) -> None:

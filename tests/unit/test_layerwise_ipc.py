@@ -9,8 +9,10 @@ The same flow runs on a real GPU in ``tests/gpu/``."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
+import numpy as np
 import pytest
 from daemon_fixtures import assert_tables_empty, metric, wait_until
 from gpu_fixtures import UUID
@@ -188,8 +190,9 @@ async def test_a_push_ended_mid_pass_copies_nothing_more_and_nothing_elsewhere(h
 @pytest.mark.asyncio
 async def test_requests_finishing_in_one_step_are_each_copied_into_their_own_blocks() -> None:
     """Two requests finish their prefill in one step, into one D: each layer's event
-    launches a copy per request, each request's KV lands in its own blocks only (never in
-    the other's), and both complete once their last layer is copied."""
+    launches one copy for both (their pairs in one launch), each request's KV lands in its
+    own blocks only (never in the other's), and both complete once their last layer is
+    copied."""
     async with layer_pair(gpu=True, same_host=True, verify=True) as (p, d, pw, dw):
         await _warm(p, d, pw, dw)
         device = p.service.devmem.device(UUID)
@@ -206,7 +209,7 @@ async def test_requests_finishing_in_one_step_are_each_copied_into_their_own_blo
             await _final(pw, 9, layer)
             await wait_until(lambda: all(landed(pw, dw, pb, db, layer) for pb, db in plan.values()),
                              f"layer {layer} of both in D's blocks")
-            assert device.pair_copies == copies + 2 * (layer + 1), "one copy per request and layer"
+            assert device.pair_copies == copies + layer + 1, "one launch per layer for both requests"
         for rid in plan:
             assert await dw.wait_for(wp.RecvDone, rid)
             assert await pw.wait_for(wp.SendDone, rid)
@@ -217,5 +220,48 @@ async def test_requests_finishing_in_one_step_are_each_copied_into_their_own_blo
         assert metric(p, "pushsvc_ipc_copies_total") == 2
         pw.events[-1].record()
         pw.send(wp.StepSaved(step=9))
+        pw.events[-1].finish()
+        await assert_tables_empty(p, d)
+
+
+@pytest.mark.asyncio
+async def test_a_request_whose_pairs_are_refused_fails_alone_in_its_step() -> None:
+    """Two requests of one step, one of whose pairs the copier refuses (a destination
+    block out of D's range, as a corrupt plan would hold): the merged launch is refused,
+    each is launched on its own, the bad one fails with the copier's reason and nothing of
+    it lands anywhere, and the other is copied layer by layer and completes."""
+    async with layer_pair(gpu=True, same_host=True) as (p, d, pw, dw):
+        await _warm(p, d, pw, dw)
+        device = p.service.devmem.device(UUID)
+        copies = device.pair_copies
+        plan = {"good": ([0, 4], [2, 7]), "bad": ([6, 1], [11, 3])}
+        for rid, (_, d_blocks) in plan.items():
+            await _copy_asked(p, dw, rid, d_blocks)
+        for rid, (p_blocks, _) in plan.items():
+            pw.send(wp.SendStart(request_id=rid, block_ids=[p_blocks], step=4))
+        await wait_until(lambda: all(_copy_of(p, rid) is not None for rid in plan), "both copies at P")
+        bad = _copy_of(p, "bad").layered
+        pairs = bad.plan.pairs
+        wrong = tuple((g, src, np.full_like(dst, 10_000)) for g, src, dst in pairs.groups)
+        bad.plan = dataclasses.replace(bad.plan, pairs=dataclasses.replace(pairs, groups=wrong))
+        for layer in range(LAYERS):
+            for i, (p_blocks, _) in enumerate(plan.values()):
+                pw.compute(layer, p_blocks, salt=50 * i + layer)
+            await _final(pw, 4, layer)
+            if layer == 0:
+                failed = await pw.wait_for(wp.SendFailed, "bad")
+                assert failed.reason.startswith("write_submit_failed: copy refused"), failed
+                assert "write_submit_failed" in (await dw.wait_for(wp.RecvFailed, "bad")).reason
+            await wait_until(lambda: landed(pw, dw, *plan["good"], layer), f"layer {layer} of 'good' in D's blocks")
+        assert await dw.wait_for(wp.RecvDone, "good")
+        assert await pw.wait_for(wp.SendDone, "good")
+        assert all(landed(pw, dw, *plan["good"], n) for n in range(LAYERS))
+        assert all(untouched(dw, plan["bad"][1], n) for n in range(LAYERS))
+        assert others_untouched(dw, plan["good"][1])
+        # Layer 0: the merged launch refused, then 'good' alone; each later layer: 'good' alone.
+        assert device.pair_copies == copies + LAYERS
+        assert metric(p, "pushsvc_transfers_total", result="failed") == 1
+        pw.events[-1].record()
+        pw.send(wp.StepSaved(step=4))
         pw.events[-1].finish()
         await assert_tables_empty(p, d)
