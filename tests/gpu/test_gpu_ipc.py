@@ -78,6 +78,39 @@ def test_a_layer_wise_request_is_copied_into_ds_kv_once_its_kernels_ran(spawn: S
     assert p_daemon.metric("pushsvc_transfers_total", result="done") == 2
 
 
+def test_a_steps_layer_wise_requests_share_each_layers_copy_and_land_exactly(spawn: Spawner) -> None:
+    """Three requests finish their prefill in one forward pass, into a same-host D: P
+    copies each layer of all three with one launch (their pairs in one kernel; the unit
+    tests count the launches), and each request's blocks in D hold exactly its own final
+    KV, verified; no other block of D changed."""
+    p_daemon = spawn.daemon("prefill", *IPC, "--verify")
+    d_daemon = spawn.daemon("decode", *IPC, "--landing-mib", "512", "--verify")
+    p = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=P_BLOCKS, seed=45, layerwise=1)
+    d = spawn.worker(d_daemon, "consumer", layout="flash", layers=LAYERS, blocks=D_BLOCKS, seed=46)
+    _meet(p, d, p_daemon, d_daemon)
+    plan = [("step-a", [5, 9, 17], [100, 7, 64]), ("step-b", [3, 40], [2, 81]),
+            ("step-c", [22, 23, 24, 25], [11, 12, 50, 51])]
+    rids = [rid for rid, _, _ in plan]
+    d.call("snapshot")
+    regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
+    _recv(d, p_daemon, [(rid, d_blocks) for rid, _, d_blocks in plan])
+    deadline = time.monotonic() + 10
+    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") < regs + len(plan):
+        assert time.monotonic() < deadline, "D's registrations never reached P"
+        time.sleep(0.01)
+    p.call("forward", requests=[{"rid": rid, "blocks": p_blocks} for rid, p_blocks, _ in plan], step=1, seed=710,
+           sleep_cycles=4_000_000)
+    recvd = _wait(d, rids)
+    assert not any(r["errors"] for r in recvd.values()), recvd
+    for rid, p_blocks, d_blocks in plan:
+        assert d.call("digests", blocks=d_blocks)["digests"] == p.call("digests", blocks=p_blocks)["digests"], rid
+    assert sorted(d.call("changed")["blocks"]) == sorted(b for _, _, d_blocks in plan for b in d_blocks)
+    assert d_daemon.metric("pushsvc_verify_total", result="identical") == 1 + len(plan)
+    assert p_daemon.metric("pushsvc_ipc_copies_total") == len(plan)
+    p.call("finished", rids=rids)
+    _wait(p, rids)
+
+
 def test_a_p_worker_killed_mid_pass_fails_its_copy_and_changes_no_other_block(spawn: Spawner) -> None:
     """P's worker queues a forward pass of ~6 s (each layer keeps the GPU busy ~0.2 s) for a
     request D asked P to copy, and is killed with -9: its events will never be done (a
