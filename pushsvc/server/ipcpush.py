@@ -14,6 +14,7 @@ for a registration that asks for it (``PushReg.ipc``).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,19 +250,28 @@ class LayerCopy:
         """Launch the copies of ``ready`` (``ready()``): one per KV group and run of
         adjacent regions. The jobs launched, and why one could not be ("" if none failed;
         what failed is not marked copied, and the push fails)."""
-        jobs: list[CopyJob] = []
-        copier = self.plan.target.copier
-        for group, src, dst in self.plan.pairs.groups:
-            for entries in entry_runs(copier.plan, group, ready):
-                try:
-                    jobs.append(copier.launch(group, src, dst, entries))
-                except DeviceError as exc:
-                    return jobs, str(exc)
-        self.copied[ready] = True
-        return jobs, ""
+        jobs, error = _launch_runs(self.plan.target.copier, self.plan.pairs.groups, ready)
+        if not error:
+            self.copied[ready] = True
+        return jobs, error
 
     def digests(self, memory: RankMemory) -> bytes:
         return ipc_digests(memory, self.plan.target.layout, self.match)
+
+
+def _launch_runs(copier: PairCopier, groups: Iterable[tuple[int, np.ndarray, np.ndarray]], ready: np.ndarray
+                 ) -> tuple[list[CopyJob], str]:
+    """Launch the pairs of each ``(group, src, dst)`` of ``groups`` over the entries of
+    ``ready`` regions: one launch per KV group and run of adjacent regions. The jobs
+    launched, and why a launch was refused ("" if none was; those before it stand)."""
+    jobs: list[CopyJob] = []
+    for group, src, dst in groups:
+        for entries in entry_runs(copier.plan, group, ready):
+            try:
+                jobs.append(copier.launch(group, src, dst, entries))
+            except DeviceError as exc:
+                return jobs, str(exc)
+    return jobs, ""
 
 
 def launch_together(copies: list[LayerCopy]) -> tuple[list[CopyJob], list[str]]:
@@ -279,21 +289,16 @@ def launch_together(copies: list[LayerCopy]) -> tuple[list[CopyJob], list[str]]:
     if len(copies) == 1:
         jobs, error = copies[0].launch(ready)
         return jobs, [error]
-    copier = copies[0].plan.target.copier
     merged: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
     for copy in copies:
         for group, src, dst in copy.plan.pairs.groups:
             srcs, dsts = merged.setdefault(group, ([], []))
             srcs.append(src)
             dsts.append(dst)
-    jobs: list[CopyJob] = []
-    try:
-        for group, (srcs, dsts) in merged.items():
-            src, dst = np.concatenate(srcs), np.concatenate(dsts)
-            for entries in entry_runs(copier.plan, group, ready):
-                jobs.append(copier.launch(group, src, dst, entries))
-    except DeviceError as exc:
-        log.warning("ipc_merged_launch_refused", copies=len(copies), error=str(exc))
+    groups = [(group, np.concatenate(srcs), np.concatenate(dsts)) for group, (srcs, dsts) in merged.items()]
+    jobs, refused = _launch_runs(copies[0].plan.target.copier, groups, ready)
+    if refused:
+        log.warning("ipc_merged_launch_refused", copies=len(copies), error=refused)
         errors = []
         for copy in copies:
             more, error = copy.launch(ready)
