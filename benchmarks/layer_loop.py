@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT / "tests" / "unit"), str(ROOT), str(ROOT / "connector")
 
 from daemon_fixtures import D_ENGINE, P_ENGINE, metric, running_daemon, wait_until  # noqa: E402
 from gpu_fixtures import UUID  # noqa: E402
-from layer_fixtures import LayerWorker, recv_into  # noqa: E402
+from layer_fixtures import LayerWorker, pushregs_at, recv_into, same_host_met  # noqa: E402
 
 from pushsvc.devmem.fake import FakeDeviceMemory  # noqa: E402
 from pushsvc.engine.fake import FakeEngine  # noqa: E402
@@ -62,7 +62,7 @@ async def _run(requests: int, layers: int, blocks: int, passes: int) -> dict:
     devmem.add_device(UUID)
     names = [f"model.layers.{i}.self_attn" for i in range(layers)]
     fake = FakeEngine()
-    total = requests * blocks + 1
+    total = requests * blocks
     async with running_daemon(fake, P_ENGINE, devmem=devmem, log_level="warning") as p, \
             running_daemon(fake, D_ENGINE, devmem=devmem, landing_mib=1, log_level="warning") as d:
         pw = LayerWorker(p, "producer", gpu=devmem, events=layers + 1, layers=names)
@@ -70,14 +70,7 @@ async def _run(requests: int, layers: int, blocks: int, passes: int) -> dict:
         await pw.start_layers(total, seed=1)
         await dw.start_layers(total, seed=2)
         events = list(pw.events)  # the layers' and the pass's
-        # A first push over NIXL, after which P has mapped D's KV: same-host from then on.
-        recv_into(p, dw, "first", [total - 1])
-        await wait_until(lambda: metric(p, "pushsvc_notifications_total", kind="push_reg") >= 1, "PUSH_REG at P")
-        pw.send(wp.SendReady(request_id="first", block_ids=[[total - 1]]))
-        assert await dw.wait_for(wp.RecvDone, "first")
-        agent = d.service.ranks.current[0].agent.name
-        await wait_until(lambda: (peer := d.service.peers.find_engine(p.config.engine_id)) is not None
-                         and agent in peer.ipc_ready, "P's IpcReady at D")
+        await same_host_met(p, d, pw, dw)  # a first push over NIXL, then P maps D's KV
         rank = p.service.ranks.current[0]
         per_layer: list[float] = []
         passes_s: list[float] = []
@@ -88,8 +81,7 @@ async def _run(requests: int, layers: int, blocks: int, passes: int) -> dict:
             regs = metric(p, "pushsvc_notifications_total", kind="push_reg")
             for rid, blocks_of in zip(rids, ids):
                 recv_into(p, dw, rid, blocks_of)
-            await wait_until(lambda: metric(p, "pushsvc_notifications_total", kind="push_reg") >= regs + requests,
-                             "the PUSH_REGs at P")
+            await pushregs_at(p, regs + requests)
             for rid, blocks_of in zip(rids, ids):
                 pw.send(wp.SendStart(request_id=rid, block_ids=[blocks_of], step=step))
             await wait_until(lambda: all(rid in p.service.sender._of(rank).writes for rid in rids), "matched at P")

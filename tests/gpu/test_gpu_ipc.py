@@ -91,13 +91,7 @@ def test_a_steps_layer_wise_requests_share_each_layers_copy_and_land_exactly(spa
     plan = [("step-a", [5, 9, 17], [100, 7, 64]), ("step-b", [3, 40], [2, 81]),
             ("step-c", [22, 23, 24, 25], [11, 12, 50, 51])]
     rids = [rid for rid, _, _ in plan]
-    d.call("snapshot")
-    regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
-    _recv(d, p_daemon, [(rid, d_blocks) for rid, _, d_blocks in plan])
-    deadline = time.monotonic() + 10
-    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") < regs + len(plan):
-        assert time.monotonic() < deadline, "D's registrations never reached P"
-        time.sleep(0.01)
+    _registered_at_p(d, p_daemon, [(rid, d_blocks) for rid, _, d_blocks in plan])
     p.call("forward", requests=[{"rid": rid, "blocks": p_blocks} for rid, p_blocks, _ in plan], step=1, seed=710,
            sleep_cycles=4_000_000)
     recvd = _wait(d, rids)
@@ -123,7 +117,7 @@ def test_a_p_worker_killed_mid_pass_fails_its_copy_and_changes_no_other_block(sp
     p = spawn.worker(p_daemon, "producer", layout="flash", layers=LAYERS, blocks=P_BLOCKS, seed=45, layerwise=1)
     d = spawn.worker(d_daemon, "consumer", layout="flash", layers=LAYERS, blocks=D_BLOCKS, seed=46)
     _meet(p, d, p_daemon, d_daemon)
-    _registered_at_p(d, p_daemon, "doomed", [10, 11, 12])
+    _registered_at_p(d, p_daemon, [("doomed", [10, 11, 12])])
     p.call("forward", rid="doomed", blocks=[1, 2, 3], step=1, seed=5, sleep_cycles=400_000_000)
     p.proc.kill()
     p.proc.wait()

@@ -90,13 +90,15 @@ def test_pushed_bytes_land_at_the_mapped_blocks_only(spawn: Spawner, layout: str
     assert d_daemon.metric("pushsvc_landing_slots", state="used") == 0
 
 
-def _registered_at_p(d, p_daemon, rid: str, d_blocks: list[int]) -> None:
-    """D snapshots its KV and registers ``rid``; returns once P's daemon has the PUSH_REG."""
+def _registered_at_p(d, p_daemon, requests: list[tuple[str, list[int]]]) -> None:
+    """D snapshots its KV and registers ``requests`` (id, D's blocks) in one step; returns
+    once P's daemon has their PUSH_REGs."""
     d.call("snapshot")
     regs = p_daemon.metric("pushsvc_notifications_total", kind="push_reg")
-    _recv(d, p_daemon, [(rid, d_blocks)])
+    _recv(d, p_daemon, requests)
     deadline = time.monotonic() + 10
-    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") <= regs and time.monotonic() < deadline:
+    while p_daemon.metric("pushsvc_notifications_total", kind="push_reg") < regs + len(requests):
+        assert time.monotonic() < deadline, "D's registrations never reached P"
         time.sleep(0.01)
 
 
@@ -105,7 +107,7 @@ def _forward_and_check(p, d, p_daemon, rid: str, p_blocks: list[int], d_blocks: 
     pass ending its prefill, each layer keeping the GPU busy ~2 ms before writing its final
     KV (layer events recorded, LayerSaved said at once). D's blocks then hold P's final
     KV, and no other block of D changed."""
-    _registered_at_p(d, p_daemon, rid, d_blocks)
+    _registered_at_p(d, p_daemon, [(rid, d_blocks)])
     out = p.call("forward", rid=rid, blocks=p_blocks, step=1, seed=seed, sleep_cycles=4_000_000)
     print(f"forward pass queued in {out['queued_s'] * 1e3:.1f} ms")
     recvd = _wait(d, [rid])

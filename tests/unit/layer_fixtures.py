@@ -144,3 +144,17 @@ async def stop_mid_step(who: str, pw: LayerWorker, dw: LayerWorker, rid: str, d_
         assert event.reason == "cancelled", event
         failed = await pw.wait_for(wp.SendFailed, rid)
         assert failed.reason.startswith("cancelled: D withdrew the registration before the last layer"), failed
+
+
+async def same_host_met(p, d, pw: LayerWorker, dw: LayerWorker) -> None:
+    """A first push (whole, over NIXL into D's landing slots: D does not know P yet), then
+    P's IpcReady at D, so D's next registrations ask P to copy."""
+    recv_into(p, dw, "first", [0])
+    await pushregs_at(p)
+    pw.send(wp.SendReady(request_id="first", block_ids=[[0]]))
+    assert await dw.wait_for(wp.RecvDone, "first")
+    assert await pw.wait_for(wp.SendDone, "first")
+    agent = d.service.ranks.current[0].agent.name
+    await wait_until(lambda: (peer := d.service.peers.find_engine(p.config.engine_id)) is not None
+                     and agent in peer.ipc_ready, "P's IpcReady at D")
+    dw.initial = dw.snapshot()

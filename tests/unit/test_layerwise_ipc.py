@@ -16,24 +16,10 @@ import numpy as np
 import pytest
 from daemon_fixtures import assert_tables_empty, metric, wait_until
 from gpu_fixtures import UUID
-from layer_fixtures import (LAYERS, landed, layer_pair, others_untouched, pushregs_at, recv_into, stop_mid_step,
+from layer_fixtures import (LAYERS, landed, layer_pair, others_untouched, recv_into, same_host_met, stop_mid_step,
                             untouched)
 
 from pushsvc.protocol import worker as wp
-
-
-async def _warm(p, d, pw, dw) -> None:
-    """A first push (whole, over NIXL into D's landing slots: D does not know P yet), then
-    P's IpcReady at D, so D's next registrations ask P to copy."""
-    recv_into(p, dw, "first", [0])
-    await pushregs_at(p)
-    pw.send(wp.SendReady(request_id="first", block_ids=[[0]]))
-    assert await dw.wait_for(wp.RecvDone, "first")
-    assert await pw.wait_for(wp.SendDone, "first")
-    agent = d.service.ranks.current[0].agent.name
-    await wait_until(lambda: (peer := d.service.peers.find_engine(p.config.engine_id)) is not None
-                     and agent in peer.ipc_ready, "P's IpcReady at D")
-    dw.initial = dw.snapshot()
 
 
 def _registration(p, rid: str):
@@ -65,7 +51,7 @@ async def _final(pw, step: int, layer: int) -> None:
 @pytest.mark.asyncio
 async def test_each_layer_is_copied_into_ds_kv_once_its_event_is_done() -> None:
     async with layer_pair(gpu=True, same_host=True) as (p, d, pw, dw):
-        await _warm(p, d, pw, dw)
+        await same_host_met(p, d, pw, dw)
         device = p.service.devmem.device(UUID)
         parts, copies = metric(p, "pushsvc_write_parts_total"), device.pair_copies
         p_blocks, d_blocks = [2, 5], [9, 1]
@@ -100,7 +86,7 @@ async def test_each_layer_is_copied_into_ds_kv_once_its_event_is_done() -> None:
 @pytest.mark.asyncio
 async def test_the_step_end_copies_what_no_layer_did_and_verify_checks_the_bytes() -> None:
     async with layer_pair(gpu=True, same_host=True, verify=True) as (p, d, pw, dw):
-        await _warm(p, d, pw, dw)
+        await same_host_met(p, d, pw, dw)
         device = p.service.devmem.device(UUID)
         copies = device.pair_copies
         pw.send(wp.SendStart(request_id="v", block_ids=[[4, 6, 7]], step=8))
@@ -130,7 +116,7 @@ async def test_the_step_end_copies_what_no_layer_did_and_verify_checks_the_bytes
                                  "d_silent", "d_kv_withdrawn", "launch_fails"])
 async def test_a_push_ended_mid_pass_copies_nothing_more_and_nothing_elsewhere(how: str) -> None:
     async with layer_pair(gpu=True, same_host=True) as (p, d, pw, dw):
-        await _warm(p, d, pw, dw)
+        await same_host_met(p, d, pw, dw)
         device = p.service.devmem.device(UUID)
         copies = device.pair_copies
         p_blocks, d_blocks = [1, 3], [6, 8]
@@ -194,7 +180,7 @@ async def test_requests_finishing_in_one_step_are_each_copied_into_their_own_blo
     own blocks only (never in the other's), and both complete once their last layer is
     copied."""
     async with layer_pair(gpu=True, same_host=True, verify=True) as (p, d, pw, dw):
-        await _warm(p, d, pw, dw)
+        await same_host_met(p, d, pw, dw)
         device = p.service.devmem.device(UUID)
         copies = device.pair_copies
         plan = {"a": ([0, 4], [2, 7]), "b": ([6, 1, 5], [11, 3, 10])}
@@ -231,7 +217,7 @@ async def test_a_request_whose_pairs_are_refused_fails_alone_in_its_step() -> No
     each is launched on its own, the bad one fails with the copier's reason and nothing of
     it lands anywhere, and the other is copied layer by layer and completes."""
     async with layer_pair(gpu=True, same_host=True) as (p, d, pw, dw):
-        await _warm(p, d, pw, dw)
+        await same_host_met(p, d, pw, dw)
         device = p.service.devmem.device(UUID)
         copies = device.pair_copies
         plan = {"good": ([0, 4], [2, 7]), "bad": ([6, 1], [11, 3])}
