@@ -126,41 +126,46 @@ class Layerwise:
         if layers is None or not 0 <= layer < layers.layers:
             raise ProtocolError(f"layer {layer}: this worker registered {layers.layers if layers else 0} layers")
         if not self._hold(rank, step, layer):
-            self._apply_layer(rank, step, layer)
+            self._apply(rank, [(step, layer)])
 
     def step_saved(self, rank: Rank, step: int) -> None:
         """``step``'s forward pass ended (a GPU worker's: once its event says so): its
         requests are complete and the step is forgotten; post what was still pending."""
         if not self._hold(rank, step, None):
-            self._apply_step(rank, step)
+            self._apply(rank, [(step, None)])
 
     def _hold(self, rank: Rank, step: int, layer: int | None) -> bool:
-        """A GPU worker's save waits for its event (and for the saves before it)."""
+        """A GPU worker's save waits for its event (and for the saves before it) until the
+        next ``poll``: the progress pass that the worker's message wakes, after every
+        message of the same read, so that saves which came together apply together."""
         events = rank.memory.layer_events if rank.memory is not None else []
         if not events:
             return False
         event = events[layer if layer is not None else -1]
         self._held.setdefault(rank, deque()).append(_Saved(step, layer, event, self._now()))
-        self.poll(rank)
         return True
 
     def poll(self, rank: Rank) -> None:
-        """Apply the held saves whose events say their kernels ran, in the order they came."""
+        """Apply the held saves whose events say their kernels ran, in the order they came.
+        Those found done in one poll apply as one: a P that fell behind the pass (its
+        layers came faster than it posts them) catches up in one launch or post per run of
+        regions, not one per layer."""
         held = self._held.get(rank)
+        done: list[tuple[int, int | None]] = []
         while held:
             saved = held[0]
             try:
                 if not saved.event.done():
-                    return
+                    break
             except DeviceError as exc:  # the worker's context failed: its step's KV is not known final
                 held.popleft()
+                self._apply(rank, done)  # the saves before it did run
+                done = []
                 self._event_failed(rank, saved.step, str(exc))
                 continue
             held.popleft()
-            if saved.layer is None:
-                self._apply_step(rank, saved.step)
-            else:
-                self._apply_layer(rank, saved.step, saved.layer)
+            done.append((saved.step, saved.layer))
+        self._apply(rank, done)
 
     def _event_failed(self, rank: Rank, step: int, error: str) -> None:
         current = self._steps.get(rank, {}).pop(step, None)
@@ -171,19 +176,24 @@ class Layerwise:
             if write is not None and write.layered is not None:
                 self.stop(rank, write, ("layer_event", f"the worker's layer event failed: {error}"))
 
-    def _apply_layer(self, rank: Rank, step: int, layer: int) -> None:
-        current = self._steps.get(rank, {}).get(step)
-        if current is not None:  # else a step none of whose requests is layer-wise any more
-            changed = [rid for rid, progress in current.requests.items() if progress.save(layer)]
-            self._prefilled(rank, [rid for rid, progress in current.requests.items() if progress.complete])
-            self._post_final(rank, changed)
-
-    def _apply_step(self, rank: Rank, step: int) -> None:
-        current = self._steps.get(rank, {}).pop(step, None)
-        if current is not None:
-            changed = [rid for rid, progress in current.requests.items() if progress.finish()]
-            self._prefilled(rank, list(current.requests))
-            self._post_final(rank, changed)
+    def _apply(self, rank: Rank, saves: list[tuple[int, int | None]]) -> None:
+        """Apply ``saves`` (step, layer; layer None: the step ended, and it is forgotten)
+        in order, then post once what they made final."""
+        if not saves:
+            return
+        steps = self._steps.get(rank, {})
+        touched: dict[str, Progress] = {}  # the requests of the steps saved, by P's request id
+        changed: dict[str, None] = {}  # those a region of which became final, in order
+        for step, layer in saves:
+            current = steps.pop(step, None) if layer is None else steps.get(step)
+            if current is None:  # a step none of whose requests is layer-wise any more
+                continue
+            for rid, progress in current.requests.items():
+                touched[rid] = progress
+                if progress.finish() if layer is None else progress.save(layer):
+                    changed[rid] = None
+        self._prefilled(rank, [rid for rid, progress in touched.items() if progress.complete])
+        self._post_final(rank, list(changed))
 
     def busy(self, rank: Rank) -> bool:
         """A GPU worker's saves wait for their events."""

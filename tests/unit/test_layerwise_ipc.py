@@ -40,6 +40,16 @@ def _copy_of(p, rid: str):
     return p.service.sender._of(rank).writes.get(rid)
 
 
+async def _started(p, dw, pw, plan: dict[str, tuple[list[int], list[int]]], step: int) -> None:
+    """Each request of ``plan`` (P's blocks, D's blocks) asks for a same-host copy and
+    starts in ``step``, and P has its layer-wise copy."""
+    for rid, (_, d_blocks) in plan.items():
+        await _copy_asked(p, dw, rid, d_blocks)
+    for rid, (p_blocks, _) in plan.items():
+        pw.send(wp.SendStart(request_id=rid, block_ids=[p_blocks], step=step))
+    await wait_until(lambda: all(_copy_of(p, rid) is not None for rid in plan), "every copy at P")
+
+
 async def _final(pw, step: int, layer: int) -> None:
     """Layer ``layer`` of ``step`` is saved and its kernels ran."""
     pw.events[layer].record()
@@ -184,11 +194,7 @@ async def test_requests_finishing_in_one_step_are_each_copied_into_their_own_blo
         device = p.service.devmem.device(UUID)
         copies = device.pair_copies
         plan = {"a": ([0, 4], [2, 7]), "b": ([6, 1, 5], [11, 3, 10])}
-        for rid, (_, d_blocks) in plan.items():
-            await _copy_asked(p, dw, rid, d_blocks)
-        for rid, (p_blocks, _) in plan.items():
-            pw.send(wp.SendStart(request_id=rid, block_ids=[p_blocks], step=9))
-        await wait_until(lambda: all(_copy_of(p, rid) is not None for rid in plan), "both copies at P")
+        await _started(p, dw, pw, plan, step=9)
         for layer in range(LAYERS):
             for i, (p_blocks, _) in enumerate(plan.values()):
                 pw.compute(layer, p_blocks, salt=30 * i + layer)
@@ -211,6 +217,44 @@ async def test_requests_finishing_in_one_step_are_each_copied_into_their_own_blo
 
 
 @pytest.mark.asyncio
+async def test_layers_found_final_together_are_copied_in_one_launch() -> None:
+    """P fell behind the pass: when it next looks, several layers' events are done. It
+    applies them as one (``Layerwise.poll``): one launch for the layers and requests it
+    found final, not one per layer, and every byte still lands in its own request's
+    blocks (verify on)."""
+    async with layer_pair(gpu=True, same_host=True, verify=True) as (p, d, pw, dw):
+        await same_host_met(p, d, pw, dw)
+        device = p.service.devmem.device(UUID)
+        copies = device.pair_copies
+        plan = {"a": ([3, 0], [5, 8]), "b": ([7, 2], [1, 11])}
+        await _started(p, dw, pw, plan, step=6)
+        for layer in range(LAYERS):  # the pass is queued: every layer saved, no kernel ran yet
+            pw.events[layer].record()
+            pw.send(wp.LayerSaved(step=6, layer=layer))
+            for i, (p_blocks, _) in enumerate(plan.values()):
+                pw.compute(layer, p_blocks, salt=70 * i + layer)
+        await pw.ping(1)
+        pw.events[0].finish()
+        await wait_until(lambda: all(landed(pw, dw, pb, db, 0) for pb, db in plan.values()), "layer 0 of both")
+        assert device.pair_copies == copies + 1
+        assert all(untouched(dw, db, n) for _, db in plan.values() for n in range(1, LAYERS))
+        for event in pw.events[1:LAYERS]:  # the rest ran before P looked again
+            event.finish()
+        for rid in plan:
+            assert await dw.wait_for(wp.RecvDone, rid)
+            assert await pw.wait_for(wp.SendDone, rid)
+        assert device.pair_copies == copies + 2, "the layers found final together: one launch"
+        for p_blocks, d_blocks in plan.values():
+            assert all(landed(pw, dw, p_blocks, d_blocks, n) for n in range(LAYERS))
+        assert others_untouched(dw, [b for _, d_blocks in plan.values() for b in d_blocks])
+        assert metric(d, "pushsvc_verify_total", result="identical") == 3  # "first", "a" and "b"
+        pw.events[-1].record()
+        pw.send(wp.StepSaved(step=6))
+        pw.events[-1].finish()
+        await assert_tables_empty(p, d)
+
+
+@pytest.mark.asyncio
 async def test_a_request_whose_pairs_are_refused_fails_alone_in_its_step() -> None:
     """Two requests of one step, one of whose pairs the copier refuses (a destination
     block out of D's range, as a corrupt plan would hold): the merged launch is refused,
@@ -221,11 +265,7 @@ async def test_a_request_whose_pairs_are_refused_fails_alone_in_its_step() -> No
         device = p.service.devmem.device(UUID)
         copies = device.pair_copies
         plan = {"good": ([0, 4], [2, 7]), "bad": ([6, 1], [11, 3])}
-        for rid, (_, d_blocks) in plan.items():
-            await _copy_asked(p, dw, rid, d_blocks)
-        for rid, (p_blocks, _) in plan.items():
-            pw.send(wp.SendStart(request_id=rid, block_ids=[p_blocks], step=4))
-        await wait_until(lambda: all(_copy_of(p, rid) is not None for rid in plan), "both copies at P")
+        await _started(p, dw, pw, plan, step=4)
         bad = _copy_of(p, "bad").layered
         pairs = bad.plan.pairs
         wrong = tuple((g, src, np.full_like(dst, 10_000)) for g, src, dst in pairs.groups)
