@@ -47,8 +47,9 @@ class Outbox:
             self._keep((rank.number, rank.pid), msg)
         else:
             self._drop(rank.number, msg)
-        if ended is not None:  # its histograms and log event once the worker has the event, not before
-            self._timelines.report(ended)
+        if ended is not None:  # its histograms and log event once the worker has the event, not before,
+            # and after what else this turn of the loop settles (a step's requests: the rest still wait)
+            asyncio.get_running_loop().call_soon(self._timelines.report, ended)
 
     def attached(self, rank: Rank) -> None:
         """``rank``'s worker connected: give it what was kept for its process, once the

@@ -76,9 +76,12 @@ def test_an_event_for_a_rank_without_pid_is_dropped() -> None:
     assert out.kept == 0 and dropped(metrics, "SendFailed") == 1
 
 
-def test_a_final_event_reaches_the_worker_before_its_timeline_is_reported() -> None:
+@pytest.mark.asyncio
+async def test_a_final_event_reaches_the_worker_before_its_timeline_is_reported() -> None:
     """The phases' histograms and the ``request_timeline`` log event come after the
-    worker's event is sent: they are bookkeeping, not on the request's path."""
+    worker's event is sent, and after the rest of the loop's turn: they are bookkeeping,
+    not on the request's path, nor on that of the requests settled in the same turn (a
+    step's layer-wise requests, completed one after another)."""
     metrics, order = Metrics(), []
 
     class Recording(Timelines):
@@ -93,8 +96,13 @@ def test_a_final_event_reaches_the_worker_before_its_timeline_is_reported() -> N
 
     timelines = Recording(metrics, 4)
     r = rank(0, 42, Watching(42))
-    timelines.open(r, "recv", "a", "registered")
-    Outbox(RankRegistry(), metrics, keep_s=60.0, timelines=timelines).tell(r, wp.RecvDone(request_id="a"))
-    assert order == [("send", "a"), ("report", "a", "recv_done")]
-    total = metrics.registry.get_sample_value("pushsvc_phase_seconds_count", {"side": "recv", "phase": "total"})
-    assert total == 1.0
+    out = Outbox(RankRegistry(), metrics, keep_s=60.0, timelines=timelines)
+    for rid in ("a", "b"):
+        timelines.open(r, "recv", rid, "registered")
+        out.tell(r, wp.RecvDone(request_id=rid))
+    assert order == [("send", "a"), ("send", "b")]
+    total = {"side": "recv", "phase": "total"}
+    assert metrics.registry.get_sample_value("pushsvc_phase_seconds_count", total) is None
+    await asyncio.sleep(0)
+    assert order == [("send", "a"), ("send", "b"), ("report", "a", "recv_done"), ("report", "b", "recv_done")]
+    assert metrics.registry.get_sample_value("pushsvc_phase_seconds_count", total) == 2.0
