@@ -254,6 +254,42 @@ async def test_into_a_landing_d_each_layer_goes_as_a_part_that_d_copies_out_as_i
 
 
 @pytest.mark.asyncio
+async def test_into_a_landing_d_the_layers_found_final_together_go_as_their_own_parts() -> None:
+    """P fell behind the pass: when it next looks, the events of layers 1 to the last are
+    done. It applies them as one poll and posts their parts together, each still a part
+    of its own with its notification: D copies each into its worker's blocks, the last
+    completes the push, and the bytes are P's (verify on)."""
+    async with layer_pair(gpu=True, same_host=True, ipc_push="off", verify=True) as (p, d, pw, dw):
+        p_blocks, d_blocks = [7, 3], [0, 10]
+        recv_into(p, dw, "behind", d_blocks)
+        await pushregs_at(p)
+        pw.send(wp.SendStart(request_id="behind", block_ids=[p_blocks], step=5))
+        for layer in range(LAYERS):  # the pass is queued: every layer saved, no kernel ran yet
+            pw.compute(layer, p_blocks, salt=40 + layer)
+            pw.events[layer].record()
+            pw.send(wp.LayerSaved(step=5, layer=layer))
+        await pw.ping(1)
+        pw.events[0].finish()
+        await wait_until(lambda: landed(pw, dw, p_blocks, d_blocks, 0), "layer 0 in D's blocks")
+        assert metric(p, "pushsvc_write_parts_total") == 1
+        assert all(untouched(dw, d_blocks, n) for n in range(1, LAYERS))
+        for event in pw.events[1:LAYERS]:  # the rest ran before P looked again
+            event.finish()
+        assert await dw.wait_for(wp.RecvDone, "behind")
+        assert await pw.wait_for(wp.SendDone, "behind")
+        assert all(landed(pw, dw, p_blocks, d_blocks, n) for n in range(LAYERS))
+        assert others_untouched(dw, d_blocks)
+        assert metric(p, "pushsvc_write_parts_total") == LAYERS
+        assert metric(d, "pushsvc_landing_copies_total") == LAYERS
+        assert metric(d, "pushsvc_notifications_total", kind="part") == LAYERS - 1
+        assert metric(d, "pushsvc_verify_total", result="identical") == 1
+        pw.events[-1].record()
+        pw.send(wp.StepSaved(step=5))
+        pw.events[-1].finish()
+        await assert_tables_empty(p, d)
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("who", ["p_evicts", "p_worker_leaves", "d_withdraws"])
 async def test_a_push_in_layer_parts_stopped_mid_step_copies_nothing_more_and_frees_the_slots(who: str) -> None:
     async with layer_pair(gpu=True, same_host=True, ipc_push="off") as (p, d, pw, dw):
