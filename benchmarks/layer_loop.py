@@ -84,7 +84,7 @@ async def _applied(timed: _Timed, calls: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while len(timed.calls) < calls:
         if time.monotonic() > deadline:
-            raise AssertionError(f"P applied {len(timed.calls)} saves of {calls} in {timeout} s")
+            raise AssertionError(f"P applied saves {len(timed.calls)} times, not {calls}, in {timeout} s")
         await asyncio.sleep(0)
 
 
