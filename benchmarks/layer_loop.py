@@ -7,13 +7,16 @@ launched, each request's bookkeeping), on this host's CPU, in two ways:
 * ``together``: every layer's event finishes at once, as when P fell behind the pass (or
   the pass had no work): P applies the saves it finds done in one go (``Layerwise.poll``).
 
-(docs/benchmarks.md, "Copied layer by layer".) The device is the daemon's fake
-(``devmem/fake.py``: its copy moves the bytes on the CPU at the launch, a few KiB here), so
-the figure is P's own work plus a small copy; the two daemons are real (fake NIXL engine,
-real sockets and shared memory) and run in this process, as the unit tests run them.
+(docs/benchmarks.md, "Copied layer by layer" and "P catching up with the pass".) The
+device is the daemon's fake (``devmem/fake.py``: its copy moves the bytes on the CPU at the
+launch, pair by pair, where a GPU's launch only queues a kernel: ~0.3 ms a layer here, ~8
+ms for a whole pass at once), so each apply is also printed without the fake's launches:
+P's own work. The two daemons are real (fake NIXL engine, real sockets and shared memory)
+and run in this process, as the unit tests run them; they log JSON lines at info to
+/dev/null, as a deployed daemon logs each request's timeline.
 
     python benchmarks/layer_loop.py [--requests 8] [--layers 32] [--blocks 16] [--passes 16]
-        [--arrival one-by-one,together]
+        [--arrival one-by-one,together] [--log-level info]
 """
 
 from __future__ import annotations
