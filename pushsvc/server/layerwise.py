@@ -141,8 +141,10 @@ class Layerwise:
         events = rank.memory.layer_events if rank.memory is not None else []
         if not events:
             return False
-        event = events[layer if layer is not None else -1]
-        self._held.setdefault(rank, deque()).append(_Saved(step, layer, event, self._now()))
+        held = self._held.setdefault(rank, deque())
+        if len(held) >= MAX_OPEN_STEPS * len(events):  # a worker saves each layer and the pass once a step
+            raise ProtocolError(f"layer-wise push: {len(held)} saves of this worker wait for their events already")
+        held.append(_Saved(step, layer, events[layer if layer is not None else -1], self._now()))
         return True
 
     def poll(self, rank: Rank) -> None:

@@ -357,10 +357,10 @@ class Sender:
 
     def poll(self, rank: Rank) -> None:
         """Settle every WRITE of ``rank`` that is no longer in progress."""
+        self.layerwise.poll(rank)  # a GPU worker's layers, final once its events say so (held with or without sends)
         state = self._ranks.get(rank)
         if state is None:
             return
-        self.layerwise.poll(rank)  # a GPU worker's layers, final once its events say so
         for write in list(state.writes.values()):
             self._settle_parts(rank, write, [rank.agent.state(h) for h in write.handles])
         self.staging.poll(rank)

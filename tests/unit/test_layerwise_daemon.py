@@ -42,6 +42,7 @@ from pushsvc.devmem.fake import FakeDeviceMemory
 from pushsvc.engine.fake import FakeEngine
 from pushsvc.errors import DaemonRefused
 from pushsvc.protocol import worker as wp
+from pushsvc.server.layerwise import MAX_OPEN_STEPS
 from pushsvc.shm import SharedBuffer
 
 
@@ -251,6 +252,35 @@ async def test_into_a_landing_d_each_layer_goes_as_a_part_that_d_copies_out_as_i
         await dw.quiet_for(0.05)  # the parts were all D heard: no completion after them
         assert metric(d, "pushsvc_notifications_total", kind="late_completion") == 0
         assert metric(d, "pushsvc_malformed_inputs_total", source="notification", reason="part") == 0
+
+
+@pytest.mark.asyncio
+async def test_saves_waiting_for_events_are_bounded_and_the_connection_stays() -> None:
+    """A GPU worker whose events never say done (a hung pass, or a buggy worker) cannot
+    make P's daemon hold its saves without bound: past one save per layer and pass for
+    each step that may be open, a save is refused with an error, the connection stays,
+    and what was held still applies once the events are done."""
+    async with layer_pair(gpu=True, lease_s=LONG_S) as (p, d, pw, dw):
+        limit = MAX_OPEN_STEPS * (LAYERS + 1)
+        events = pw.events[:LAYERS + 1]  # the layers' and the pass's
+        for event in events:
+            event.record()  # and never finished, for now
+        for i in range(limit):
+            pw.send(wp.StepSaved(step=i // (LAYERS + 1)) if i % (LAYERS + 1) == LAYERS
+                    else wp.LayerSaved(step=i // (LAYERS + 1), layer=i % (LAYERS + 1)))
+        await pw.ping(1)
+        pw.poll()
+        assert not [m for m in pw.events if isinstance(m, wp.Error)], "every save up to the bound is taken"
+        pw.send(wp.LayerSaved(step=99, layer=0))
+        error = await pw.wait_for(wp.Error)
+        assert f"{limit} saves of this worker wait for their events already" in error.message
+        assert metric(p, "pushsvc_malformed_inputs_total", source="worker", reason="ProtocolError") == 1
+        await pw.ping(2)  # the connection stays
+        rank = p.service.ranks.current[0]
+        assert p.service.sender.layerwise.busy(rank)
+        for event in events:
+            event.finish()
+        await wait_until(lambda: not p.service.sender.layerwise.busy(rank), "the held saves applied")
 
 
 @pytest.mark.asyncio
