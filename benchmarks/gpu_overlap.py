@@ -19,7 +19,8 @@ ways:
 Each against the same copy with the GPU idle. ``--same-process``: also with the busy
 kernels queued by the copying process itself, on a stream of its own (what a copy the
 worker launched would meet: one process's streams share the GPU without time slices).
-Prints a table, writes ``gpu_overlap.json``.
+``--mps``: all of it as clients of a private MPS server, which lets two processes'
+kernels share the GPU (``mps.py``). Prints a table, writes ``gpu_overlap.json``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import os
 import statistics
 import time
 from pathlib import Path
+
+from mps import private_mps
 
 ROW = 32 * 1024  # bytes: 16 tokens x 8 KV heads x 128 dim bf16
 
@@ -122,8 +125,15 @@ def main() -> None:
                     help="kernels the busy process queues between two waits for the GPU (its idle gaps)")
     ap.add_argument("--same-process", action="store_true",
                     help="also with the busy kernels queued by the copying process itself, on a stream of its own")
+    ap.add_argument("--mps", action="store_true",
+                    help="every process of the run a client of a private MPS server (benchmarks/mps.py)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     args = ap.parse_args()
+    with private_mps(args.mps):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     sizes = [int(s) for s in args.sizes_mib.split(",")]
     ctx = mp.get_context("spawn")
     results = {"idle": copies(sizes, args.repeats)}
@@ -150,7 +160,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_overlap.json").write_text(json.dumps(
-        {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": args.repeats, "row_bytes": ROW,
+        {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": args.repeats, "row_bytes": ROW, "mps": args.mps,
          "seconds": results}, indent=2))
 
 

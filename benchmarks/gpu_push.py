@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 from daemon_readings import PHASES, hist, hot_passes, phases, timeline_medians
+from mps import private_mps
 from procstats import CpuMeter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -358,9 +359,17 @@ def main() -> None:
                     help="blocks per request of the streams (contiguous ids)")
     ap.add_argument("--p-gpu", type=int, default=None, help="P's GPU (default 0)")
     ap.add_argument("--d-gpu", type=int, default=None, help="D's GPU (default 1 where two are visible, else 0)")
+    ap.add_argument("--mps", action="store_true",
+                    help="the daemons, the workers and the anchors as clients of a private MPS server "
+                         "(benchmarks/mps.py: lets the processes' kernels share the GPU)")
     args = ap.parse_args()
     if args.ipc == "only" and not args.layerwise:
         ap.error("--ipc only goes with --layerwise (the whole-request figures compare both paths to NIXL)")
+    with private_mps(args.mps):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     from gpuprocs import gpu_for  # tests/gpu
 
     for name, value in (("PUSHSVC_P_GPU", args.p_gpu), ("PUSHSVC_D_GPU", args.d_gpu)):
@@ -388,7 +397,7 @@ def main() -> None:
         for r in rows:
             print(f"| {r['blocks']} | {r['mib']} | " + " | ".join(f"{r[f'{col}_ms']:.3f}" for col in cols) + " |")
         (out_dir / "gpu_layerwise.json").write_text(json.dumps(
-            {"layer_cycles": args.layer_cycles, "repeats": args.repeats, "poll_spin_s": args.poll_spin_s,
+            {"layer_cycles": args.layer_cycles, "repeats": args.repeats, "poll_spin_s": args.poll_spin_s, "mps": args.mps,
              "batch": args.batch,
              "rows": rows, "write_parts": {col: got[(*key, "parts")] for col, key in cols.items()},
              "ipc_copies": {col: got[(*key, "copies")] for col, key in cols.items()},
@@ -446,7 +455,7 @@ def main() -> None:
               "daemon_info": push["daemon_info"], "write_part_mib": args.part_mib,
               "staging_mib": args.staging_mib, "ucx_sgl": args.ucx_sgl,
               "poll_hot_yield": args.poll_hot_yield, "poll_spin_s": args.poll_spin_s, "daemon_cpu": push["daemon_cpu"],
-              "p_gpu": p_gpu, "d_gpu": d_gpu}
+              "p_gpu": p_gpu, "d_gpu": d_gpu, "mps": args.mps}
     k = stream[0]
     stream_rows = []
     for n in stream[1]:
