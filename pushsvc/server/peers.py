@@ -384,13 +384,19 @@ class PeerManager:
                                  f", this daemon {mine}: WRITEs between the two never complete; give every daemon "
                                  "of the deployment the same mode")
         old = self._by_engine.get(hello.engine_id)
-        if old is not None and old.daemon_id != hello.daemon_id:
-            if not intro.authenticated and old.alive:
-                # Anyone can claim an engine id without a secret: a live peer is not
-                # displaced by a claim. A real restart shows up once the old sessions end.
-                self._metrics.handshakes.labels("engine_claimed").inc()
-                raise HandshakeError(f"engine {hello.engine_id} is held by a live peer "
-                                     f"({old.daemon_id[:8]}); unauthenticated hello refused")
+        if old is not None and old.daemon_id != hello.daemon_id and not intro.authenticated and old.alive:
+            # Anyone can claim an engine id without a secret: a live peer is not
+            # displaced by a claim. A real restart shows up once the old sessions end.
+            self._metrics.handshakes.labels("engine_claimed").inc()
+            raise HandshakeError(f"engine {hello.engine_id} is held by a live peer "
+                                 f"({old.daemon_id[:8]}); unauthenticated hello refused")
+        # Refused before anything changes: a refused hello leaves no peer, no session and
+        # no agent behind (a ghost would hold the engine id and the session count for good).
+        replaced = old if old is not None and old.daemon_id != hello.daemon_id else None
+        refusal = self._agents_refusal(self.peers.get(hello.daemon_id), hello.agents, replaced)
+        if refusal:
+            raise ProtocolError(refusal)
+        if replaced is not None:
             # Same engine, new incarnation: the old one's agents and sessions are stale.
             log.info("peer_restarted", peer=hello.engine_id, old=old.daemon_id[:8], new=hello.daemon_id[:8])
             old.gone = intro.authenticated
@@ -434,7 +440,28 @@ class PeerManager:
                  session=session.id, minor=intro.minor, authenticated=intro.authenticated, announced_late=len(late))
         return peer
 
+    def _agents_refusal(self, peer: Peer | None, agents: list[pp.AgentInfo], replaced: Peer | None = None) -> str:
+        """Why ``agents`` may not join ``peer``'s (None: a peer not known yet; ``replaced``:
+        an incarnation the hello replaces), or ''. Run before anything changes, so that a
+        refused hello or update leaves nothing of itself behind."""
+        held = dict(peer.agents) if peer is not None else {}
+        for a in agents:
+            if held.get(a.agent_name) == a:
+                continue
+            for name in [n for n, old in held.items() if _same_place(old, a) and n != a.agent_name]:
+                del held[name]
+            if a.agent_name not in held and len(held) >= MAX_AGENTS_PER_PEER:
+                return f"peer announces more than {MAX_AGENTS_PER_PEER} agents"
+            owner = self._by_agent.get(a.agent_name)
+            if owner is not None and owner is not peer and owner is not replaced:
+                return f"agent {a.agent_name} belongs to another peer"
+            held[a.agent_name] = a
+        return ""
+
     def _add_agents(self, peer: Peer, agents: list[pp.AgentInfo]) -> None:
+        refusal = self._agents_refusal(peer, agents)
+        if refusal:
+            raise ProtocolError(refusal)
         new = [a for a in agents if peer.agents.get(a.agent_name) != a]
         for a in new:
             # A new agent for a rank replaces the old one (its worker restarted): no
@@ -445,11 +472,6 @@ class PeerManager:
                 if self._by_agent.get(name) is peer:
                     del self._by_agent[name]
                 self._remember_departed(name)
-            if a.agent_name not in peer.agents and len(peer.agents) >= MAX_AGENTS_PER_PEER:
-                raise ProtocolError(f"peer announces more than {MAX_AGENTS_PER_PEER} agents")
-            owner = self._by_agent.get(a.agent_name)
-            if owner is not None and owner is not peer:
-                raise ProtocolError(f"agent {a.agent_name} belongs to another peer")
             peer.agents[a.agent_name] = a
             self._by_agent[a.agent_name] = peer
         if new:

@@ -269,3 +269,66 @@ def test_a_writing_side_releases_what_it_prepared_on_unload() -> None:
     assert len(local.dlists) == 1 and local.remotes == {"x/r0"}
     remotes.unload("x/r0")
     assert local.dlists == set() and local.remotes == set()
+
+
+async def _hello_with(port: int, engine_id: str, agents: list[pp.AgentInfo], daemon_id: str = "") -> Raw:
+    raw = await Raw.connect(port)
+    await raw.reader.readexactly(PREAMBLE.size)
+    assert isinstance(await raw.read_msg(), pp.PeerHello)  # the acceptor speaks first
+    hello = pp.PeerHello(daemon_id=daemon_id or f"{engine_id}-id", engine_id=engine_id,
+                         side_channel_host="127.0.0.1", side_channel_port=1, agents=agents)
+    raw.writer.write(encode_preamble(pp.MAGIC, pp.MAJOR, pp.MINOR) + frame(pp.encode(hello)))
+    return raw
+
+
+def _agent(name: str) -> pp.AgentInfo:
+    return pp.AgentInfo(rank=0, tp_size=1, agent_name=name, metadata=b"m", regions=AGENT.regions)
+
+
+@pytest.mark.asyncio
+async def test_a_hello_refused_for_its_agents_leaves_no_peer_and_no_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hello naming an agent another peer owns is refused; nothing of it may stay: no
+    live peer holding its engine id, no session counted against the cap."""
+    monkeypatch.setattr(peers_module, "MAX_SESSIONS", 2)
+    p, pm, _ = manager("prefill", None)
+    async with started(p):
+        owner = await _hello_with(p.port, "decode-a", [_agent("decode-a/r0")])
+        await eventually(lambda: p.find_engine("decode-a") is not None, "decode-a adopted")
+        for _ in range(2):
+            liar = await _hello_with(p.port, "decode-b", [_agent("decode-a/r0")])
+            assert await liar.rest() == b"", "refused: closed without a word"
+            liar.close()
+        assert sample(pm, "pushsvc_rejected_connections_total", listener="side_channel",
+                      reason="ProtocolError") == 2
+        assert p.find_engine("decode-b") is None, "a refused hello is no peer"
+        assert p.find_engine("decode-a").agents.keys() == {"decode-a/r0"}
+        # The engine id is free and the cap counts only decode-a's session.
+        real = await _hello_with(p.port, "decode-b", [], daemon_id="decode-b-real")
+        await eventually(lambda: p.find_engine("decode-b") is not None, "the real decode-b adopted")
+        assert sample(pm, "pushsvc_handshakes_total", result="engine_claimed") == 0
+        assert sample(pm, "pushsvc_rejected_connections_total", listener="side_channel",
+                      reason="too_many_sessions") == 0
+        for raw in (owner, real):
+            raw.close()
+
+
+@pytest.mark.asyncio
+async def test_a_refused_hello_in_a_live_peers_name_does_not_keep_it_alive() -> None:
+    """The hello names a live peer's daemon and engine (both are in the hello anyone who
+    connects gets) but another peer's agent: refused, it joins none of the live peer's
+    sessions, so the peer still goes down when its own session ends."""
+    p, _pm, events = manager("prefill", None)
+    downs: list[str] = []
+    events.peer_down = lambda peer: downs.append(peer.engine_id)  # type: ignore[method-assign]
+    async with started(p):
+        other = await _hello_with(p.port, "decode-z", [_agent("decode-z/r0")])
+        real = await _hello_with(p.port, "decode-a", [_agent("decode-a/r0")])
+        await eventually(lambda: p.find_engine("decode-a") is not None, "decode-a adopted")
+        ghost = await _hello_with(p.port, "decode-a", [_agent("decode-z/r0")])
+        assert await ghost.rest() == b""
+        ghost.close()
+        assert len(p.find_engine("decode-a").sessions) == 1
+        real.close()
+        await eventually(lambda: "decode-a" in downs, "decode-a reported down once its session ended")
+        assert p.find_engine("decode-a") is None
+        other.close()
