@@ -165,6 +165,10 @@ class Landing:
         entry.parts = parts
         entry.arrived.add(index)
         log.debug("part_landed", request_id=rid, part=index, parts=parts, copy=copy)
+        if not copy and not entry.error:
+            # Left in the slots: the request may no longer end done. Should it all the
+            # same, it fails rather than tell the worker of KV that is not in its blocks.
+            entry.error = f"part {index} of {parts} landed while the registration was withdrawn: not copied"
         if copy and not entry.error:
             self._copy(rank, state, entry, index, parts)
         if len(entry.arrived) < parts:

@@ -290,15 +290,18 @@ class Receiver:
             return
         table = self._of(rank)
         entry = table.pending.get(rid)
-        if entry is not None and entry.sources and sender not in entry.sources:
+        if entry is not None and sender not in entry.sources:
+            # Also every notification for a PENDING registration: no P has seen it yet (its
+            # sources are named as its PUSH_REGs go out), so none of it may count or land.
             self._malformed("notification", "foreign_completion", sender,
                             ProtocolError("sender is not an agent the registration went to"))
             return
         if self.landing.tracks(rank, rid) and entry is not None:
             # Before its copy is launched; a timeline keeps an event's first time.
             self._timelines.mark(rank, RECV, rid, "first_part_landed")
-            # Copied only while the registration is live: never into withdrawn blocks.
-            landed = self.landing.part_landed(rank, rid, index, parts, copy=entry.state is RecvState.SENT)
+            # Copied while a completion may still make the request done (held for a lost P
+            # too); never into the blocks of a withdrawn one.
+            landed = self.landing.part_landed(rank, rid, index, parts, copy=entry.may_finish)
             if landed is PartOutcome.MALFORMED:
                 self._malformed("notification", "part", sender, ProtocolError(f"part {index} of {parts} again"))
                 return

@@ -99,6 +99,12 @@ class PendingRecv:
         return next((a for a, r in self.sources.items() if r == p_rank), None)
 
     @property
+    def may_finish(self) -> bool:
+        """A completion may still make it done: registered with P, or held for a lost P
+        (a WRITE it posted may still land within the grace)."""
+        return self.state is RecvState.SENT or (self.state is RecvState.CANCELLING and self.reason == PEER_LOST)
+
+    @property
     def complete(self) -> bool:
         """Every source landed."""
         return bool(self.sources) and self.landed == set(self.sources)
@@ -215,7 +221,7 @@ class ConsumerTable:
         entry.landed.add(sender)
         if entry.open:
             return CompletionOutcome.PARTIAL, entry
-        if not entry.complete or (entry.state is RecvState.CANCELLING and entry.reason != PEER_LOST):
+        if not entry.complete or not entry.may_finish:
             self._drop(request_id)
             return CompletionOutcome.CANCELLED, entry
         if not self.verify:

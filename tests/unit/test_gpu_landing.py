@@ -18,6 +18,8 @@ from pushsvc.devmem.fake import FakeDeviceMemory
 from pushsvc.engine.fake import FakeEngine
 from pushsvc.errors import DaemonRefused
 from pushsvc.protocol import worker as wp
+from pushsvc.server.registrar import Registrar
+from pushsvc.state.consumer import RecvState
 
 
 def _registrations(pair) -> dict[str, list[list[int]]]:
@@ -97,6 +99,58 @@ async def test_a_withdrawn_registration_is_never_copied_into_the_workers_blocks(
         assert np.array_equal(pair.dw.snapshot(), pair.dw.initial)  # no byte of D's KV changed
         assert metric(pair.d, "pushsvc_landing_copies_total") == 0
         await wait_until(lambda: _landing(pair.d)["used"] == 0, "the slots back")
+
+
+@pytest.mark.asyncio
+async def test_a_write_landing_while_ds_session_to_p_is_lost_is_copied_before_recv_done() -> None:
+    """D holds a registration for the grace once its session to P drops; a WRITE that
+    lands within it still makes the request done, so it must be copied like any other."""
+    async with gpu_pair(d_config={"peer_timeout_s": 5.0}) as (pair, _devmem):
+        pair.fake.hold_writes = True
+        pair.register_recv("r", [6, 7])
+        pair.send_ready("r", [0, 1])
+        await wait_until(lambda: pair.fake.held, "the WRITE in flight")
+        table = pair.d.service.receiver._of(pair.d.service.ranks.current[0])
+        for session in list(pair.d.service.peers.find_engine(P_ENGINE).sessions):
+            session.close()  # the side channel drops: D loses P
+        await wait_until(lambda: table.pending["r"].state is RecvState.CANCELLING, "held for the grace")
+        pair.fake.complete_held()
+        await pair.dw.wait_for(wp.RecvDone, "r")
+        assert np.array_equal(pair.dw.snapshot(), expected_after_push(pair.pw, pair.dw, [0, 1], [6, 7]))
+        assert metric(pair.d, "pushsvc_landing_copies_total") == 1
+
+
+@pytest.mark.asyncio
+async def test_a_part_from_an_agent_the_registration_did_not_go_to_lands_nothing(monkeypatch) -> None:
+    """While D's registration is PENDING (its PUSH_REG not sent yet) a notification can only
+    come from some other agent that loaded D's metadata. It must not count as a part of
+    the WRITE: P's own part of that index would then be refused, never copied, and the
+    request end RecvDone over blocks that never got it."""
+    async with gpu_pair(part_mib=1) as (pair, _devmem):
+        d_rank = pair.d.service.ranks.current[0]
+        stranger = pair.fake.create_agent("stranger/r0/00000000.1")
+        stranger.add_remote(d_rank.agent.metadata())
+        dispatch = Registrar.dispatch
+        states = []
+
+        def dispatch_then_stranger(self, rank, entry) -> None:
+            dispatch(self, rank, entry)
+            if rank is d_rank and entry.request_id == "big":
+                states.append(entry.state)
+                stranger.send_notif(d_rank.agent.name, b"PUSH_PART:0/2:big:1")
+                pair.d.service.drain_notifs(d_rank)
+
+        monkeypatch.setattr(Registrar, "dispatch", dispatch_then_stranger)
+        pair.register_recv("big", list(range(8, 16)))
+        pair.send_ready("big", list(range(8)))
+        await pair.dw.wait_for(wp.RecvDone, "big")
+        assert states == [RecvState.PENDING]
+        assert np.array_equal(pair.dw.snapshot(), expected_after_push(pair.pw, pair.dw, list(range(8)),
+                                                                      list(range(8, 16))))
+        assert metric(pair.d, "pushsvc_malformed_inputs_total", source="notification",
+                      reason="foreign_completion") == 1
+        assert metric(pair.d, "pushsvc_malformed_inputs_total", source="notification", reason="part") == 0
+        assert metric(pair.d, "pushsvc_landing_copies_total") == 2
 
 
 @pytest.mark.asyncio
