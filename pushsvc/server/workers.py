@@ -87,6 +87,7 @@ class WorkerConn:
         self._fds: list[int] = []
         self._out = bytearray()
         self._writing = False
+        self._close_soon = False  # a send failed: closing on the next turn
 
     # ------------------------------------------------------------------ reading
 
@@ -181,8 +182,12 @@ class WorkerConn:
 
     # ------------------------------------------------------------------ writing
 
+    @property
+    def closing(self) -> bool:
+        return self.state is ConnState.CLOSED or self._close_soon
+
     def send(self, msg: msgspec.Struct) -> None:
-        if self.state is ConnState.CLOSED:
+        if self.closing:
             return
         self._out += frame(wp.encode(msg))
         if not self._writing:
@@ -200,7 +205,13 @@ class WorkerConn:
         except (BlockingIOError, InterruptedError):
             pass
         except OSError:
-            self.close("send error")
+            # Closed on the next turn, not here: a send runs inside the pass that tells the
+            # worker something, and closing detaches the rank, whose tables that pass may
+            # be walking. What is queued meanwhile goes nowhere.
+            self._out.clear()
+            if not self._close_soon:
+                self._close_soon = True
+                self.server.loop.call_soon(self.close, "send error")
             return
         loop = self.server.loop
         if self._out and not self._writing:
@@ -324,7 +335,7 @@ class WorkerServer:
         self.conns.add(conn)
         self.metrics.worker_connections.set(len(self.conns))
         conn.send_raw(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR))
-        if conn.state is ConnState.CLOSED:
+        if conn.closing:
             return  # the client left before our preamble could go out
         self.loop.add_reader(sock.fileno(), conn.on_readable)
         deadline = self.pending.add(conn, self.loop.time())

@@ -525,3 +525,23 @@ async def test_worker_gone_before_its_welcome_does_not_keep_the_rank() -> None:
             assert welcome.engine_id == d.config.engine_id
         finally:
             client.close()
+
+
+@pytest.mark.asyncio
+async def test_a_worker_that_cannot_be_written_to_is_detached_on_the_next_turn_not_inside_the_send() -> None:
+    """A send runs inside whatever pass tells the worker something, and closing the
+    connection detaches its rank, whose tables that pass may be walking: a failed send
+    closes the connection on the next turn of the loop."""
+    async with daemon() as d:
+        worker = Worker(d, "both")
+        await worker.connect()
+        (conn,) = d.workers.conns
+        peer = socket.socket(fileno=os.dup(worker.client._sock.fileno()))
+        peer.shutdown(socket.SHUT_RDWR)  # the worker's end goes away; its EOF not read yet
+        peer.close()
+        for _ in range(2):  # a pass telling the worker two things
+            conn.send(wp.Pong(token=1))
+            assert 0 in d.service.ranks.current, "detached inside the send"
+        await wait_until(lambda: 0 not in d.service.ranks.current, "the rank detached once the pass is over")
+        assert not d.workers.conns
+        worker.close()
