@@ -34,7 +34,7 @@ class Finishing:
 class Prefills:
     def __init__(self) -> None:
         self._tracked: dict[str, _Prefill] = {}
-        self._started: set[str] = set()  # their last step was scheduled (SendStart shipped)
+        self._started: set[str] = set()  # their last step was scheduled (its SendStart in its metadata)
         self.step = 0  # the number of the last step ``finishing`` looked at
 
     def track(self, request_id: str, prompt_tokens: int, match_key: str) -> None:

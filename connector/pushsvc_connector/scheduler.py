@@ -64,10 +64,11 @@ class PushScheduler:
         self.stats = PushsvcConnectorStats()
         self._new_recvs: dict[str, RegisterRecv] = {}
         self._new_sends: dict[str, SendReady] = {}
-        self._evictions: list[str] = []
+        self._evictions: list[str] = []  # D: dropped after its registration was shipped
         self._dropped: list[str] = []  # D: dropped before its registration was shipped
+        self._dropped_starts: list[str] = []  # P, layer-wise: dropped after its SendStart was scheduled
         self._failed: dict[str, list[int]] = {}  # D: allocated for a load that cannot be registered
-        self._releases: list[RegisterRecv] = []  # D: never scheduled; P must free its blocks
+        self._releases: list[RegisterRecv] = []  # D: takes no KV from P; P must free its blocks
         self._recv_deadlines: dict[str, float] = {}  # D: registered, not yet received
         self._send_deadlines: dict[str, float] = {}  # P: blocks held for the push
 
@@ -115,9 +116,13 @@ class PushScheduler:
             return
         # Only the first call registers; a re-entry after the load must not.
         params["do_remote_prefill"] = False
-        if num_external_tokens <= 0:
-            return  # full prefix hit on D: nothing to receive
         rid = request.request_id
+        if num_external_tokens <= 0:
+            # Nothing to load (with a sliding-window group, D's prefix hit reached all P
+            # computed; or vLLM loads nothing for this request): D computes it itself, but
+            # P holds its blocks for the exchange all the same.
+            self._release(rid, params)
+            return
         block_ids = self._groups.clip(blocks.get_unhashed_block_ids_all_groups())
         remote = remote_prefill(params)
         refusal = check_request_id(rid) or _refusal(remote)
@@ -160,19 +165,9 @@ class PushScheduler:
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
-            # Ended before it was ever scheduled on D: nothing was allocated. An empty
-            # registration tells P to free its blocks now rather than at its lease.
+            # Ended before it was ever scheduled on D: nothing was allocated.
             params["do_remote_prefill"] = False
-            remote = remote_prefill(params)
-            refusal = check_request_id(rid) or _refusal(remote)
-            if refusal is not None or not isinstance(remote, RemotePrefill):
-                if refusal is not None:
-                    self._refused(rid, refusal, "no release sent to P")
-                return False, None
-            self._releases.append(RegisterRecv(
-                request_id=rid, local_block_ids=[], remote_engine_id=remote.engine_id, remote_host=remote.host,
-                remote_port=remote.port, remote_tp_size=remote.tp_size,
-                match_key=self._given_match_key(rid, params)))
+            self._release(rid, params)
             return False, None
         if rid in self._recv_deadlines or rid in self._new_recvs:
             # D request dropped while its KV may still be arriving. vLLM keeps its
@@ -191,8 +186,9 @@ class PushScheduler:
         if request.status.name not in _FINISHED_OK or not any(len(g) for g in groups):
             if started:
                 # Its daemon may be WRITing its blocks already: held until the worker's
-                # Evict is answered (the deadline set at its start stays the backstop).
-                self._evictions.append(rid)
+                # Evict is answered, or at once by a worker whose SendStart reached no
+                # daemon (the deadline set at its start stays the backstop).
+                self._dropped_starts.append(rid)
                 return True, None
             return False, None
         refusal = check_request_id(rid)
@@ -214,9 +210,11 @@ class PushScheduler:
         only for layer-wise push)."""
         now = self._clock()
         meta = PushsvcMetadata(recvs=self._new_recvs, sends=self._new_sends, evictions=self._evictions,
-                               dropped_recvs=self._dropped, failed_recvs=self._failed, releases=self._releases)
+                               dropped_recvs=self._dropped, failed_recvs=self._failed, releases=self._releases,
+                               dropped_starts=self._dropped_starts)
         self._new_recvs, self._new_sends, self._evictions, self._dropped, self._failed, self._releases = (
             {}, {}, [], [], {}, [])
+        self._dropped_starts = []
         if self._prefills is not None and output is not None:
             for rid, ending in self._prefills.finishing(output).items():
                 groups = self._groups.clip(ending.blocks)
@@ -248,12 +246,25 @@ class PushScheduler:
         # P's finished requests leave the running set; the engine must keep stepping
         # so the worker can report their pushes done and free the blocks.
         return bool(self._send_deadlines or self._new_sends or self._new_recvs or self._evictions
-                    or self._dropped or self._failed or self._releases)
+                    or self._dropped or self._failed or self._releases or self._dropped_starts)
 
     def take_stats(self) -> PushsvcConnectorStats | None:
         return self.stats.take()
 
     # ------------------------------------------------------------------ internals
+
+    def _release(self, rid: str, params: dict[str, Any]) -> None:
+        """D: the request takes no KV from P. An empty registration tells P to free the
+        blocks it holds for the exchange now rather than at its lease."""
+        remote = remote_prefill(params)
+        refusal = check_request_id(rid) or _refusal(remote)
+        if refusal is not None or not isinstance(remote, RemotePrefill):
+            if refusal is not None:
+                self._refused(rid, refusal, "no release sent to P")
+            return
+        self._releases.append(RegisterRecv(
+            request_id=rid, local_block_ids=[], remote_engine_id=remote.engine_id, remote_host=remote.host,
+            remote_port=remote.port, remote_tp_size=remote.tp_size, match_key=self._given_match_key(rid, params)))
 
     def _given_match_key(self, rid: str, params: dict[str, Any]) -> str:
         key, problem = given_match_key(params)

@@ -14,11 +14,12 @@ class StepPlan:
     recvs: dict[str, RegisterRecv] = field(default_factory=dict)
     # P: finished requests whose blocks the daemon pushes once D registered.
     sends: dict[str, SendReady] = field(default_factory=dict)
-    # Either side: requests the engine dropped (aborted, finished early).
+    # D: requests the engine dropped (aborted, finished early) after their registration
+    # was shipped.
     evictions: list[str] = field(default_factory=list)
-    # D: requests that ended before they were ever scheduled. An empty registration
-    # still goes to P, only so that P frees the blocks it holds for them; nobody on D
-    # waits for its answer.
+    # D: requests that take no KV from P (they ended before they were ever scheduled, or
+    # vLLM allocated them with nothing to load). An empty registration still goes to P,
+    # only so that P frees the blocks it holds for them; nobody on D waits for its answer.
     releases: list[RegisterRecv] = field(default_factory=list)
     # D: dropped before their registration was shipped: report finished at once.
     dropped_recvs: list[str] = field(default_factory=list)
@@ -34,11 +35,18 @@ class StepPlan:
     idle: bool = False
     # P, layer-wise push: requests whose prefill ends in this step; their KV becomes
     # final layer by layer during its forward pass. Their later entry in ``sends`` (or
-    # ``evictions``) is the scheduler's word that they finished (or were dropped).
+    # ``dropped_starts``) is the scheduler's word that they finished (or were dropped).
     layerwise: dict[str, SendStart] = field(default_factory=dict)
+    # P, layer-wise push: requests dropped after the step that ends their prefill was
+    # scheduled; vLLM holds their blocks until the workers report them. Kept apart from
+    # ``evictions``: a worker whose ``SendStart`` reached no daemon reports these finished
+    # sending at once, while a D id the worker does not track was reported already (a
+    # second report would name a request vLLM freed).
+    dropped_starts: list[str] = field(default_factory=list)
     step: int = 0  # this step's number, for ``LayerSaved``/``StepSaved`` (layer-wise only)
 
     @property
     def empty(self) -> bool:
         return not (self.recvs or self.sends or self.evictions or self.dropped_recvs or self.failed_recvs
-                    or self.expired_recvs or self.expired_sends or self.releases or self.layerwise)
+                    or self.expired_recvs or self.expired_sends or self.releases or self.layerwise
+                    or self.dropped_starts)

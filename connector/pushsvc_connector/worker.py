@@ -214,11 +214,9 @@ class PushWorker:
                 transfer.evicted = True
                 if not transfer.held:  # a held one is evicted again once the daemon is back
                     evict.append(rid)
-            sending = self._sending.get(rid)
-            if sending is not None and sending.layerwise:  # P: aborted after its layer-wise push began
-                if not (sending.held or sending.final):
-                    evict.append(rid)
-                self._ended(rid, sending)
+        for rid in meta.dropped_starts:
+            if self._drop_start(rid):
+                evict.append(rid)
         if evict:
             self._send(wp.Evict(request_ids=evict))
         for rid, reg in meta.recvs.items():
@@ -323,6 +321,19 @@ class PushWorker:
                 # The daemon does not track a request it refused: no other event follows.
                 self._finish_recv(event.request_id, failure=f"refused by the daemon: {event.message}")
                 self._finish_send(event.request_id)
+
+    def _drop_start(self, rid: str) -> bool:
+        """P, layer-wise: vLLM dropped ``rid`` after the step that ends its prefill was
+        scheduled. True if its push must be evicted (its daemon may be reading its blocks)."""
+        sending = self._sending.get(rid)
+        if sending is None:
+            # Its SendStart went to no daemon (none was connected, or one too old for it):
+            # nothing reads its blocks, and nothing else would ever report it.
+            self._done_sending.add(rid)
+            return False
+        evict = not (sending.held or sending.final)  # a held one is settled once the daemon is back or gone
+        self._ended(rid, sending)
+        return evict
 
     def _backstop(self, expired: list[str], table: dict[str, _Transfer]) -> list[str]:
         """The scheduler's backstop fired for ``expired``: release the held ones now,

@@ -142,3 +142,20 @@ def test_with_a_sliding_window_p_leaves_the_last_prompt_token_to_d_once() -> Non
     d = PushScheduler(watchdog_s=30.0, lease_s=20.0, groups=groups)
     assert d.get_num_new_matched_tokens(Req("d1", d_params(), prompt_token_ids=list(range(255))), 0) == (254, True)
     assert d.get_num_new_matched_tokens(Req("d2", d_params(), prompt_token_ids=[7]), 0) == (0, False)
+
+
+def test_a_d_prefix_hit_of_all_but_the_last_token_loads_nothing_and_releases_p() -> None:
+    """With a sliding window D loads one token fewer than the prompt, so its prefix hit on
+    all but the last token (vLLM never hits that one) leaves nothing to load: D computes
+    the request itself, and P, holding its blocks for the exchange, hears so at once."""
+    d = PushScheduler(watchdog_s=30.0, lease_s=20.0, groups=transfer_groups(gemma_like()))
+    req = Req("d1", d_params(transfer_id="xchg-1"), prompt_token_ids=list(range(257)))
+    assert d.get_num_new_matched_tokens(req, 256) == (0, False)
+    d.update_state_after_alloc(req, Blocks([[0, 71], [0, 72], [73, 74]]), 0)
+    meta = d.build_connector_meta(1)
+    assert meta.recvs == {}
+    [release] = meta.releases
+    assert (release.request_id, release.local_block_ids, release.match_key) == ("d1", [], "xchg-1")
+    req.status = Status.FINISHED_STOPPED
+    assert d.request_finished(req, ([0, 71], [0, 72], [73, 74])) == (False, None)
+    assert d.build_connector_meta(1).empty and not d.has_pending_push_work()

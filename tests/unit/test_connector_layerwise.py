@@ -126,7 +126,7 @@ def test_an_aborted_request_is_held_and_evicted_only_if_it_started() -> None:
     assert sched.request_finished(started, [1, 2, 3, 4, 5]) == (True, None), "its daemon may be reading them"
     assert sched.request_finished(early, [6]) == (False, None), "never started: nothing reads its blocks"
     meta = sched.build_connector_meta(0, _step({}))
-    assert meta.evictions == ["started"] and meta.sends == {}
+    assert meta.dropped_starts == ["started"] and meta.evictions == [] and meta.sends == {}
     sched.update_connector_output({"started"}, None)
     assert not sched.has_pending_push_work()
 
@@ -213,7 +213,7 @@ async def test_the_worker_tells_its_layers_and_reports_only_after_the_schedulers
         # Aborted while its push runs: the worker evicts it, and reports it once the daemon answers.
         worker.begin_step(PushsvcMetadata(layerwise={"p2": wp.SendStart(request_id="p2", block_ids=[[3]], step=10)},
                                           step=10))
-        worker.start_step(PushsvcMetadata(evictions=["p2"]))
+        worker.start_step(PushsvcMetadata(dropped_starts=["p2"]))
         assert await _reported(worker) == {"p2"}
         assert metric(daemon, "pushsvc_worker_messages_total", type="Evict") == 1
     finally:
@@ -253,3 +253,43 @@ async def test_a_start_the_daemon_never_got_is_pushed_whole_at_the_verdict(base)
         worker.close()
         buf.close()
         await daemon.shutdown()
+
+
+
+@pytest.fixture
+def daemonless(base):
+    """A layer-wise P worker whose daemon is not listening (restarting, say): it starts,
+    and tries to connect again at every step."""
+    buf = SharedBuffer.create(4 * 8 * 64)
+    worker = PushWorker(socket_path=f"{base}/absent.sock", rank=0, tp_size=1, role="producer",
+                        connect_timeout_s=0.5, reconnect_interval_s=0.0, layerwise=True)
+    try:
+        worker.register(KVShare(_regions(8), buffers=[buf]))
+        yield worker
+    finally:
+        worker.close()
+        buf.close()
+
+
+def test_a_request_dropped_after_a_start_that_reached_no_daemon_is_reported_at_once(daemonless) -> None:
+    """vLLM holds a started request's blocks until the workers report it; a worker that
+    handed its SendStart to no daemon has no final event to wait for."""
+    sched = _scheduler()
+    req = Req("p", _p_params())
+    sched.update_state_after_alloc(req, None, 0)
+    meta = sched.build_connector_meta(80, _step({"p": 80}, new=[_new("p", [1, 2, 3, 4, 5])]))
+    assert "p" in meta.layerwise
+    daemonless.begin_step(meta)  # the SendStart reaches nobody
+    daemonless.start_step(meta)
+    daemonless.step_saved()
+    # A backstop expiry of a start the worker does not track reports nothing: vLLM may
+    # still run the request, and counts every report of every worker.
+    daemonless.start_step(PushsvcMetadata(expired_sends=["p"]))
+    assert daemonless.get_finished() == (set(), set())
+    req.status = Status.FINISHED_ABORTED  # the client went away before the step's output
+    assert sched.request_finished(req, [1, 2, 3, 4, 5]) == (True, None)
+    daemonless.start_step(sched.build_connector_meta(0, _step({})))
+    finished, _ = daemonless.get_finished()
+    assert finished == {"p"}, "nothing else would ever free its blocks"
+    sched.update_connector_output(finished, None)
+    assert not sched.has_pending_push_work()

@@ -84,11 +84,22 @@ def test_d_registration_is_shipped_once_with_ps_coordinates(sched):
     assert req.kv_transfer_params["do_remote_prefill"] is False
 
 
-def test_full_prefix_hit_registers_nothing(sched):
-    req = Req("d1", d_params())
+def test_nothing_to_load_registers_nothing_and_releases_p_once(sched):
+    # vLLM allocates with no external tokens when D's prefix hit leaves nothing to load,
+    # or when it loads nothing for the request (``skip_reading_prefix_cache``, a local
+    # hit it keeps instead). P holds its blocks for the exchange all the same: the empty
+    # registration frees them now instead of at P's lease.
+    req = Req("d1", d_params(transfer_id="xchg-3"))
     sched.update_state_after_alloc(req, Blocks([[]]), 0)
+    meta = sched.build_connector_meta(1)
+    assert meta.recvs == {} and meta.dropped_recvs == []
+    [release] = meta.releases
+    assert (release.request_id, release.local_block_ids, release.match_key) == ("d1", [], "xchg-3")
+    assert not sched.has_pending_push_work()  # nobody on D waits for its answer
+    sched.update_state_after_alloc(req, Blocks([[4]]), 0)  # scheduled again after a preemption
+    req.status = Status.FINISHED_STOPPED
+    assert sched.request_finished(req, [4]) == (False, None)
     assert sched.build_connector_meta(1).empty
-    assert not sched.has_pending_push_work()
 
 
 def test_d_watchdog_backstop_expires_and_completion_disarms(sched, clock):
