@@ -214,6 +214,11 @@ class PushsvcConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
+    def has_pending_block_frees(self) -> bool:
+        # Asked when a step's KV blocks run out: True makes vLLM wait instead of preempting
+        # (layer-wise push: a started request's blocks may be read by the daemon).
+        return self._scheduler is not None and self._scheduler.has_pending_block_frees()
+
     # ================================================================ metrics (both roles)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

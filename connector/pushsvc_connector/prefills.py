@@ -74,6 +74,12 @@ class Prefills:
             self._started.add(rid)
             done[rid] = Finishing([list(g) for g in prefill.blocks], prefill.match_key)
 
+    @property
+    def started(self) -> int:
+        """How many requests had their last step scheduled and have not finished yet
+        (``forget``): vLLM may still preempt them, the daemon may be reading their blocks."""
+        return len(self._started)
+
     def forget(self, request_id: str) -> bool:
         """``request_id`` finished (or was dropped): True if its last step was scheduled."""
         self._tracked.pop(request_id, None)

@@ -110,7 +110,7 @@ class PushScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = params_of(request)
-        if params and params.get("do_remote_decode") and self._prefills is not None:
+        if params and params.get("do_remote_decode") and self._prefills is not None and _ends_with_prefill(request):
             self._track_prefill(request, params)
         if not params or not params.get("do_remote_prefill"):
             return
@@ -242,6 +242,16 @@ class PushScheduler:
         for rid in finished_recving or ():
             self._recv_deadlines.pop(rid, None)
 
+    def has_pending_block_frees(self) -> bool:
+        # P, layer-wise: a request whose push started still runs until vLLM processed the
+        # step that ends its prefill. With async scheduling (or a pipeline-parallel P) vLLM
+        # schedules the next step(s) first and, short of KV blocks, would preempt it there:
+        # its blocks back in the pool at once while its daemon may be reading them. True
+        # makes vLLM skip what does not fit this step instead of preempting; it is false
+        # again once those requests finished (request_finished), one processed step later,
+        # whatever their pushes and the daemon do (vLLM's delayed free holds them then).
+        return self._prefills is not None and self._prefills.started > 0
+
     def has_pending_push_work(self) -> bool:
         # P's finished requests leave the running set; the engine must keep stepping
         # so the worker can report their pushes done and free the blocks.
@@ -283,6 +293,15 @@ class PushScheduler:
     def __repr__(self) -> str:
         return (f"<PushScheduler recv={len(self._recv_deadlines)} send={len(self._send_deadlines)} "
                 f"queued={len(self._new_recvs)}/{len(self._new_sends)}/{len(self._evictions)}>")
+
+
+def _ends_with_prefill(request: Request) -> bool:
+    """P, layer-wise: the request finishes with the token its prefill samples (the
+    exchange's P leg, ``max_tokens`` 1), so vLLM can preempt it only until that step is
+    processed. One that goes on decoding (a client calling P directly) or waits for more
+    input (a resumable session) keeps running with its blocks preemptible (and, in a
+    sliding-window group, freed as it decodes): it is pushed whole once it finished."""
+    return request.max_tokens == 1 and not request.resumable
 
 
 def _refusal(outcome: RemotePrefill | Refusal) -> Refusal | None:

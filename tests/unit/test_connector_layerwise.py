@@ -40,6 +40,8 @@ class Req:
     num_prompt_tokens: int = 80
     status: Status = Status.RUNNING
     prompt_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int = 1  # P's leg of an exchange
+    resumable: bool = False
 
 
 def _new(rid: str, blocks: list[int], computed: int = 0) -> NewRequestData:
@@ -129,6 +131,33 @@ def test_an_aborted_request_is_held_and_evicted_only_if_it_started() -> None:
     assert meta.dropped_starts == ["started"] and meta.evictions == [] and meta.sends == {}
     sched.update_connector_output({"started"}, None)
     assert not sched.has_pending_push_work()
+
+
+def test_vllm_waits_instead_of_preempting_only_while_a_started_request_runs() -> None:
+    sched = _scheduler()
+    ended, aborted = Req("ended", _p_params(), num_prompt_tokens=20), Req("aborted", _p_params(), num_prompt_tokens=20)
+    for req in (ended, aborted):
+        sched.update_state_after_alloc(req, None, 0)
+    assert not sched.has_pending_block_frees(), "nothing started: vLLM preempts as usual"
+    sched.build_connector_meta(40, _step({"ended": 20, "aborted": 20}, new=[_new("ended", [1, 2]),
+                                                                          _new("aborted", [3, 4])]))
+    assert sched.has_pending_block_frees(), "running with their pushes started"
+    ended.status, aborted.status = Status.FINISHED_LENGTH_CAPPED, Status.FINISHED_ABORTED
+    sched.request_finished(ended, [1, 2])
+    assert sched.has_pending_block_frees()
+    sched.request_finished(aborted, [3, 4])
+    assert not sched.has_pending_block_frees(), "both ended: vLLM holds their blocks, whatever their pushes do"
+    assert sched.has_pending_push_work()
+
+
+def test_a_request_that_decodes_on_or_waits_for_input_is_not_started() -> None:
+    sched = _scheduler()
+    for req in (Req("decodes", _p_params(), num_prompt_tokens=20, max_tokens=4),
+                Req("session", _p_params(), num_prompt_tokens=20, resumable=True)):
+        sched.update_state_after_alloc(req, None, 0)
+    meta = sched.build_connector_meta(40, _step({"decodes": 20, "session": 20}, new=[_new("decodes", [1, 2]),
+                                                                                   _new("session", [3, 4])]))
+    assert meta.layerwise == {} and not sched.has_pending_block_frees()
 
 
 def test_without_layerwise_nothing_is_tracked() -> None:
