@@ -93,6 +93,9 @@ def _proxy_parser(sub: argparse._SubParsersAction) -> None:
                         "--prefill: D is sent to the daemon its /v1/info describes. Default: none, each prefill "
                         "instance's answers say where its daemon is (the first request to it runs prefill, then "
                         "decode)")
+    p.add_argument("--prefill-daemon-token-file", dest="prefill_daemon_token_file", metavar="FILE",
+                   help="bearer token of the --prefill-daemon URLs' /v1/info: their health_token_file (mode 600), "
+                        "which a daemon whose health server listens beyond loopback requires")
     p.add_argument("--decode", action="append", required=True, metavar="URL",
                    help="a decode vLLM base URL (repeat for several)")
     p.add_argument("--port", type=int, required=True, help="0 picks a free port")
@@ -123,7 +126,7 @@ def _proxy_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
 
 
-_PROXY_FIELDS = ("prefill", "prefill_daemon", "decode", "port", "host", "timeout_s", "connect_timeout_s",
+_PROXY_FIELDS = ("prefill", "prefill_daemon", "prefill_daemon_token_file", "decode", "port", "host", "timeout_s", "connect_timeout_s",
                  "remote_tp_size", "max_connections", "health_interval_s", "drain_timeout_s", "max_body_bytes",
                  "prefix_affinity_slack", "admin_token_file", "otlp_traces_endpoint", "log_format",
                  "log_level")

@@ -28,6 +28,7 @@ import msgspec
 from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pushsvc.config import read_secret_file
 from pushsvc.logging import get_logger
 from pushsvc.proxy import legs
 from pushsvc.proxy.affinity import PrefixMap, prefix_keys, prompt_text
@@ -131,6 +132,9 @@ class Proxy:
             total=None, sock_connect=config.connect_timeout_s, sock_read=config.timeout_s
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s)
+        token = config.prefill_daemon_token_file
+        self._daemon_headers = ({"Authorization": "Bearer " + read_secret_file(token, "prefill_daemon_token_file")
+                                 .decode("latin-1")} if token else None)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -508,7 +512,7 @@ class Proxy:
     # ------------------------------------------------------------ health probe
 
     async def _fetch_coordinates(self, daemon_url: str) -> PrefillCoordinates:
-        return await fetch_coordinates(self.session, daemon_url, self._call_timeout)
+        return await fetch_coordinates(self.session, daemon_url, self._call_timeout, self._daemon_headers)
 
     async def _probe_loop(self) -> None:
         while True:

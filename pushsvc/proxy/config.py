@@ -29,6 +29,10 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # its daemon is (the first exchange with a P then sends D's leg after P's answer).
     prefill_daemon: list[str]
     decode: list[str]
+    # The bearer token the ``prefill_daemon``s' ``/v1/info`` asks for: their
+    # ``health_token_file``, which every daemon whose health server listens beyond
+    # loopback has. Empty: none is sent.
+    prefill_daemon_token_file: str = ""
     port: int
     host: str = "127.0.0.1"
     # Total time of a non-streamed backend call; for streams, the longest silence between chunks.
@@ -91,6 +95,10 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("prefix_affinity_slack", f"must be -1 (off) or >= 0, got {self.prefix_affinity_slack}")
         if self.admin_token_file:
             read_secret_file(self.admin_token_file, "admin_token_file")
+        if self.prefill_daemon_token_file:
+            if not self.prefill_daemon:
+                raise ConfigError("prefill_daemon_token_file", "is sent only to --prefill-daemon URLs, and none is given")
+            read_secret_file(self.prefill_daemon_token_file, "prefill_daemon_token_file")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError("log_format", f"must be one of {sorted(LOG_FORMATS)}")
         if self.log_level not in LOG_LEVELS:

@@ -7,7 +7,7 @@ kind and the status the client gets (502 unreachable, 504 timed out, else the ba
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -127,13 +127,14 @@ async def status_error(leg: str, response: aiohttp.ClientResponse) -> UpstreamEr
 
 
 async def fetch_coordinates(
-    session: aiohttp.ClientSession, daemon_url: str, timeout: aiohttp.ClientTimeout
+    session: aiohttp.ClientSession, daemon_url: str, timeout: aiohttp.ClientTimeout,
+    headers: Mapping[str, str] | None = None,
 ) -> PrefillCoordinates:
-    """GET a P daemon's ``/v1/info`` and keep the keys D needs."""
+    """GET a P daemon's ``/v1/info`` (with ``headers``: its bearer token) and keep the keys D needs."""
     leg = "daemon"
     url = f"{daemon_url}/v1/info"
     try:
-        async with session.get(url, timeout=timeout) as response:
+        async with session.get(url, timeout=timeout, headers=headers) as response:
             if response.status != 200:
                 raise await status_error(leg, response)
             raw = await response.read()

@@ -8,11 +8,15 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 from daemon_fixtures import P_ENGINE, metric, running_daemon
 
 from pushsvc.config import load_config
 from pushsvc.engine.fake import FakeEngine
 from pushsvc.errors import ConfigError
+from pushsvc.proxy.app import Proxy
+from pushsvc.proxy.config import load_proxy_config
+from pushsvc.proxy.upstream import UpstreamError
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 BASE_ENV = {"XDG_RUNTIME_DIR": "/run/user/1000"}
@@ -72,3 +76,36 @@ def test_a_token_file_follows_the_secret_file_rules(tmp_path: Path, text: str, m
     with pytest.raises(ConfigError) as info:
         load_config(None, env=BASE_ENV, overrides={"health_token_file": _token_file(tmp_path, text, mode)})
     assert info.value.field == "health_token_file" and why in str(info.value)
+
+
+@pytest.mark.asyncio
+async def test_the_proxy_reads_a_guarded_p_daemons_info_with_the_token_it_was_given(tmp_path: Path) -> None:
+    """A P daemon whose health server listens beyond loopback has a token; the proxy's
+    ``--prefill-daemon`` must send it, or D's legs never learn where P's daemon is."""
+    token = _token_file(tmp_path)
+    async with running_daemon(FakeEngine(), P_ENGINE, health_token_file=token) as d:
+        daemon_url = f"http://{d.config.health_host}:{d.health.port}"
+        for token_file, answered in ((None, False), (token, True)):
+            proxy = Proxy(load_proxy_config({
+                "prefill": ["http://127.0.0.1:1"], "prefill_daemon": [daemon_url], "decode": ["http://127.0.0.1:2"],
+                "port": 0, "health_interval_s": 0, "prefill_daemon_token_file": token_file}))
+            await proxy.startup(web.Application())
+            try:
+                backend = proxy.prefill.pick()
+                if answered:
+                    coords = await proxy.infos.refresh(backend)
+                    assert coords.engine_id == P_ENGINE
+                else:
+                    with pytest.raises(UpstreamError) as info:
+                        await proxy.infos.refresh(backend)
+                    assert info.value.status == 401
+            finally:
+                await proxy.cleanup(web.Application())
+
+
+def test_a_prefill_daemon_token_without_a_prefill_daemon_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_proxy_config({"prefill": ["http://127.0.0.1:1"], "prefill_daemon": [], "decode": ["http://127.0.0.1:2"],
+                           "port": 0,
+                           "prefill_daemon_token_file": _token_file(tmp_path)})
+    assert info.value.field == "prefill_daemon_token_file"
