@@ -11,9 +11,11 @@ layers, each with its part notification). Once every piece is posted and has lan
 hears ``WriteStarted`` (with the digests in verify mode) and the completion (after parts:
 none more).
 Once the step ended, every request of it is complete and the step is forgotten (a
-request matched later is pushed whole). A same-host push gets a ``LayerCopy`` instead
-(``server/ipcpush.py``): its copies into D's KV are launched as the layers become final,
-each after the fence check, and it completes as a WRITE does.
+request matched later is pushed whole). A step whose layer event failed is forgotten too,
+and every request of it not pushed yet fails: none goes as if its KV were final. A
+same-host push gets a ``LayerCopy`` instead (``server/ipcpush.py``): its copies into D's
+KV are launched as the layers become final, each after the fence check, and it completes
+as a WRITE does.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ MAX_OPEN_STEPS = 16  # per rank: steps whose StepSaved has not come (vLLM runs o
 MAX_STEP_REQUESTS = 65536  # requests one step may start
 
 Settle = Callable[[Rank, Write, list[XferState]], None]
+Unposted = Callable[[Rank, str, tuple[str, str]], None]  # (rank, P's request id, (kind, reason))
 
 
 @dataclass(eq=False)
@@ -65,14 +68,15 @@ class _Saved:
 
 class Layerwise:
     def __init__(self, *, metrics: Metrics, timelines: Timelines, peers: PeerLink, verify: bool,
-                 writes: Callable[[Rank], dict[str, Write]], settle: Settle, wake: Callable[[], None],
-                 now: Callable[[], float]) -> None:
+                 writes: Callable[[Rank], dict[str, Write]], settle: Settle, unposted: Unposted,
+                 wake: Callable[[], None], now: Callable[[], float]) -> None:
         self._metrics = metrics
         self._timelines = timelines
         self._peers = peers
         self._verify = verify
         self._writes = writes  # the rank's posted WRITEs, by P's request id
         self._settle = settle  # release what settled of a WRITE; settle it once nothing is left
+        self._unposted = unposted  # end a request with nothing posted (staged, or matched before its WRITE)
         self._wake = wake
         self._now = now
         self._maps: dict[Rank, LayerMap] = {}
@@ -170,13 +174,19 @@ class Layerwise:
         self._apply(rank, done)
 
     def _event_failed(self, rank: Rank, step: int, error: str) -> None:
+        """The step's KV is never known final: every request of it that is not pushed
+        whole already fails. The step is forgotten, so one left staged would later look
+        like a request whose step ended, and go whole over never-computed KV."""
         current = self._steps.get(rank, {}).pop(step, None)
         log.error("layer_event_failed", rank=rank.number, step=step, error=error)
+        failure = ("layer_event", f"the worker's layer event failed: {error}")
         writes = self._writes(rank)
         for rid in current.requests if current is not None else ():
             write = writes.get(rid)
-            if write is not None and write.layered is not None:
-                self.stop(rank, write, ("layer_event", f"the worker's layer event failed: {error}"))
+            if write is None:  # staged, or matched with nothing posted yet
+                self._unposted(rank, rid, failure)
+            elif write.layered is not None:
+                self.stop(rank, write, failure)
 
     def _apply(self, rank: Rank, saves: list[tuple[int, int | None]]) -> None:
         """Apply ``saves`` (step, layer; layer None: the step ended, and it is forgotten)

@@ -92,7 +92,7 @@ class Sender:
         self.staging = Staging(metrics=metrics, current=self._current, ready=self._post, failed=self._fail_push)
         self.layerwise = Layerwise(metrics=metrics, timelines=timelines, peers=peers, verify=settings.verify,
                                    writes=lambda rank: self._of(rank).writes, settle=self._settle_parts,
-                                   wake=wake, now=self._now)
+                                   unposted=self._end_unposted, wake=wake, now=self._now)
         self.intake = Intake(engine_id=settings.engine_id, max_notif_bytes=settings.max_notif_bytes, peers=peers,
                              metrics=metrics, outbox=outbox, table=lambda rank: self._of(rank).table,
                              tables=lambda: [(rank, state.table) for rank, state in self._ranks.items()],
@@ -136,9 +136,7 @@ class Sender:
             if why:
                 raise LayoutError(why)
         except (LayoutError, ProtocolError) as exc:
-            self._metrics.malformed.labels("worker", "finished_blocks").inc()
-            log.warning("send_rejected", request_id=rid, rank=rank.number, error=str(exc))
-            self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason=str(exc)))
+            self._rejected(rank, rid, str(exc))
             return
         self._timelines.open(rank, SEND, rid, "send_ready" if step is None else "send_start")
         if step is not None:
@@ -153,8 +151,18 @@ class Sender:
         elif result.outcome is StageOutcome.AMBIGUOUS:
             self.layerwise.drop(rank, rid)
             self.intake.ambiguous(rank, [rid], result.collided)
+        elif result.outcome is StageOutcome.FULL:
+            self.layerwise.drop(rank, rid)
+            self._rejected(rank, rid, f"P holds {state.table.max_staged} staged requests of this rank already, "
+                                      "none registered for by D yet")
         elif result.match is not None:
             self._start_push(rank, result.match)
+
+    def _rejected(self, rank: Rank, rid: str, reason: str) -> None:
+        """The worker's finished blocks of ``rid`` are refused: a per-request refusal of its input."""
+        self._metrics.malformed.labels("worker", "finished_blocks").inc()
+        log.warning("send_rejected", request_id=rid, rank=rank.number, error=reason)
+        self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason=reason))
 
     def reg_sent(self, peer: Peer, msg: pp.RegSent, ranks: list[Rank]) -> None:
         """D's ``RegSent``: the PUSH_REGs of its registration went out. Where a rank holds
@@ -190,14 +198,35 @@ class Sender:
             self.layerwise.stop(rank, write, ("cancelled", "P's request ended before its last layer was final"))
 
     def worker_detached(self, rank: Rank) -> None:
+        """The worker left: nothing of its requests is pushed any more beyond what is posted.
+        Its staged blocks go back; a match that posted nothing yet (its handshake or its
+        staging copy running) fails on both sides now, not at D's watchdog; a layer-wise
+        WRITE posts nothing more and fails once what it posted settled."""
         state = self._ranks.get(rank)
         if state is None:
             return
         for rid in list(state.table.staged):
             self.evict(rank, rid)
+        for rid in [rid for rid in state.table.writing if rid not in state.writes]:
+            self._end_unposted(rank, rid, ("worker_gone", "P's worker left before the WRITE was posted"))
         for write in [w for w in state.writes.values() if w.waiting_for_layers]:
             self.layerwise.stop(rank, write, ("worker_gone", "P's worker left before the last layer was final"))
         self.layerwise.forget(rank)
+
+    def _end_unposted(self, rank: Rank, rid: str, failure: tuple[str, str]) -> None:
+        """``rid`` must not be pushed, and nothing of it is posted: staged, its blocks go
+        back; matched (a handshake or a staging copy running), its push fails on both
+        sides now. Either way its worker hears ``SendFailed`` with ``failure``'s reason."""
+        state = self._ranks.get(rank)
+        if state is None:
+            return
+        kind, reason = failure
+        if state.table.evict(rid, self._now()) is not None:
+            self._metrics.failures.labels(kind).inc()
+            log.warning("push_failed", request_id=rid, rank=rank.number, kind=kind, error=reason)
+            self._outbox.tell(rank, wp.SendFailed(request_id=rid, reason=f"{kind}: {reason}"))
+        elif (match := state.table.writing.get(rid)) is not None and rid not in state.writes:
+            self._fail_push(rank, match, None, kind, reason)
 
     # ------------------------------------------------------------------ the WRITE
 
@@ -220,8 +249,8 @@ class Sender:
             error = ""
         except HandshakeError as exc:
             peer, error = None, str(exc)
-        if self._of(rank).table.writing.get(match.request_id) is not match:
-            return  # cancelled or evicted while the handshake ran: already final
+        if not self._current(rank, match):
+            return  # cancelled, failed or its rank closed while the handshake ran: already final
         if peer is None or match.registration.sender not in peer.agents:
             self._fail_push(rank, match, None, "handshake_failed", error or "D's agent is gone")
         else:
@@ -500,7 +529,9 @@ class Sender:
         return {w.remote_agent for w in state.writes.values()} if state else set()
 
     def settled(self, rank: Rank) -> bool:
-        return not self.writes_to(rank)
+        """Nothing reads ``rank``'s memory any more: no WRITE posted, and no staging copy
+        (it reads the worker's blocks into the staging buffer) or WRITE holds staging slots."""
+        return not self.writes_to(rank) and not self.staging.busy(rank)
 
     def busy(self, rank: Rank) -> bool:
         state = self._ranks.get(rank)

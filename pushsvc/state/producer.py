@@ -32,8 +32,10 @@ A registration from an agent P does not know yet is *unverified*: it is kept (D'
 sender checked out.
 
 Every table here is bounded: registrations (``max_registrations``, unverified ones
-``max_unverified``), tombstones, ended exchanges and released keys (``max_tombstones``,
-oldest dropped).
+``max_unverified``), staged P requests (``max_staged``: P's blocks bound nothing, since
+requests may share blocks through the prefix cache), tombstones, ended exchanges and
+released keys (``max_tombstones``, oldest dropped). A registration or staged request that
+would wait beyond its cap is refused (``FULL``); one that pairs at once needs no place.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class StageOutcome(Enum):
     RELEASED = "released"  # D released its exchange before the blocks came: nothing to write
     DUPLICATE = "duplicate"
     AMBIGUOUS = "ambiguous"  # several registrations share its base id: refused with them
+    FULL = "full"  # it would wait, and the table holds as many staged requests as it may
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +244,7 @@ class ProducerTable:
     max_registrations: int = 1 << 16
     max_unverified: int = 1 << 12
     max_tombstones: int = 1 << 16
+    max_staged: int = 1 << 16  # staged P requests, none of them registered for by D yet
     registrations: dict[RegKey, Registration] = field(default_factory=dict)
     staged: dict[str, Staged] = field(default_factory=dict)  # by P's id
     writing: dict[str, Match] = field(default_factory=dict)  # by P's id
@@ -334,6 +338,9 @@ class ProducerTable:
             self._end(staged, now)
             return StageResult(StageOutcome.AMBIGUOUS, collided=collided)
         if found is None:
+            if len(self.staged) >= self.max_staged:
+                self._end(staged, now)  # ended: D's registration under its key is answered at once
+                return StageResult(StageOutcome.FULL)
             self.staged[request_id] = staged
             self._staged_base.add(request_id, request_id)
             if match_key:

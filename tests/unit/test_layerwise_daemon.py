@@ -218,6 +218,30 @@ async def test_a_gpu_layer_goes_only_once_its_event_says_its_kernels_ran() -> No
 
 
 @pytest.mark.asyncio
+async def test_a_staged_request_of_a_step_whose_layer_event_failed_fails_and_is_never_written() -> None:
+    """D has not registered yet when the step's layer event fails: the step is forgotten,
+    and the request with it, so D's registration, coming later, does not get the whole
+    request WRITten as if its layers were final."""
+    async with layer_pair(gpu=True) as (p, d, pw, dw):
+        d_blocks = [9, 1]
+        pw.send(wp.SendStart(request_id="s", block_ids=[[2, 5]], match_key="k-s", step=5))
+        pw.events[0].record()
+        pw.send(wp.LayerSaved(step=5, layer=0))
+        await pw.ping(1)
+        pw.events[0].fault()  # the worker's context failed: step 5's KV is never known final
+        failed = await pw.wait_for(wp.SendFailed, "s")
+        assert failed.reason.startswith("layer_event: the worker's layer event failed"), failed
+        assert metric(p, "pushsvc_failures_total", kind="layer_event") == 1
+        dw.send(wp.RegisterRecv(request_id="s", local_block_ids=[d_blocks], remote_engine_id=P_ENGINE,
+                                remote_host="127.0.0.1", remote_port=p.service.peers.port, match_key="k-s"))
+        event = await dw.wait_for((wp.RecvDone, wp.RecvFailed), "s")
+        assert isinstance(event, wp.RecvFailed) and "already ended" in event.reason, event
+        assert all(untouched(dw, d_blocks, layer) for layer in range(LAYERS))
+        assert metric(p, "pushsvc_write_parts_total") == 0
+        await assert_tables_empty(p, d)
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("verify", [False, True])
 async def test_into_a_landing_d_each_layer_goes_as_a_part_that_d_copies_out_as_it_lands(verify: bool) -> None:
     """D's KV is on the (fake) GPU with a landing buffer and P does not copy into it

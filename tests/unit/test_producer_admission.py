@@ -271,6 +271,27 @@ def test_registrations_beyond_the_cap_are_refused_as_full(push_reg) -> None:
     assert table.add_registration(push_reg("cmpl-d-0-deadbeef"), "d", now=10.0).outcome is RegOutcome.STASHED
 
 
+def test_staged_requests_beyond_the_cap_are_refused_as_full(push_reg) -> None:
+    """P's blocks bound nothing (requests share them through the prefix cache), so the
+    staged requests waiting for D have a cap of their own; one that pairs at once needs no place."""
+    table = ProducerTable(lease_s=30.0, registration_ttl_s=10.0, max_staged=2)
+    assert table.add_staged("cmpl-a-0-1a2b3c4d", BLOCKS, now=0.0).outcome is StageOutcome.STASHED
+    assert table.add_staged("cmpl-b-0-1a2b3c4d", BLOCKS, now=0.0).outcome is StageOutcome.STASHED
+    assert table.add_staged("cmpl-c-0-1a2b3c4d", BLOCKS, now=0.0, match_key="kc") == StageResult(StageOutcome.FULL)
+    assert set(table.staged) == {"cmpl-a-0-1a2b3c4d", "cmpl-b-0-1a2b3c4d"}
+    # The refused request ended: D's registration of its exchange is answered at once.
+    assert table.add_registration(push_reg("cmpl-c-0-deadbeef", match_key="kc"), "d", now=1.0) \
+        == RegResult(RegOutcome.FINISHED)
+    table.add_registration(push_reg("cmpl-d-0-deadbeef"), "d", now=1.0)
+    assert table.add_staged("cmpl-d-0-1a2b3c4d", BLOCKS, now=1.0).outcome is StageOutcome.MATCHED
+    # A place freed (by a match, an eviction or the lease) is taken again.
+    table.evict("cmpl-a-0-1a2b3c4d", now=2.0)
+    assert table.add_staged("cmpl-e-0-1a2b3c4d", BLOCKS, now=2.0).outcome is StageOutcome.STASHED
+    assert table.add_staged("cmpl-f-0-1a2b3c4d", BLOCKS, now=2.0).outcome is StageOutcome.FULL
+    table.expire(30.0)  # b's lease
+    assert table.add_staged("cmpl-f-0-1a2b3c4d", BLOCKS, now=30.0).outcome is StageOutcome.STASHED
+
+
 def test_unverified_registrations_have_a_cap_of_their_own(push_reg) -> None:
     table = ProducerTable(lease_s=30.0, registration_ttl_s=10.0, max_unverified=1)
     assert table.add_registration(push_reg("cmpl-a-0-deadbeef"), "x", now=0.0, verified=False).outcome \

@@ -51,8 +51,9 @@ MOSTLY = st.sampled_from([True, True, True, False])
 
 T = TypeVar("T")
 
-UNBOUNDED = {"max_registrations": 1 << 16, "max_unverified": 1 << 12, "max_tombstones": 1 << 16}
-TIGHT = {"max_registrations": 3, "max_unverified": 1, "max_tombstones": 2}
+UNBOUNDED = {"max_registrations": 1 << 16, "max_unverified": 1 << 12, "max_tombstones": 1 << 16,
+             "max_staged": 1 << 16}
+TIGHT = {"max_registrations": 3, "max_unverified": 1, "max_tombstones": 2, "max_staged": 2}
 
 
 @dataclass
@@ -265,6 +266,9 @@ class ProducerMachine(RuleBasedStateMachine):
             assert [r.key for r in got.collided] == collided
             for k in collided:
                 del self.regs[k]
+            self._end(key, pid)
+        elif found is None and len(self.staged) >= self.caps["max_staged"]:
+            assert got == StageResult(StageOutcome.FULL)  # it would wait, and no place is free
             self._end(key, pid)
         elif found is None:
             assert got == StageResult(StageOutcome.STASHED)
