@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -41,8 +41,9 @@ class Engine:
                                 long_prefill_token_threshold=40, scheduler_reserve_full_isl=False)
         kv = KVTransferConfig(kv_connector="PushsvcConnector", kv_connector_module_path="pushsvc_connector",
                               kv_role="kv_producer", kv_connector_extra_config={"layerwise_push": True})
+        # The device named: a CUDA build of vLLM on a host without a GPU infers none.
         config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK), scheduler_config=sched,
-                            kv_transfer_config=kv)
+                            kv_transfer_config=kv, device_config=DeviceConfig(device="cpu"))
         config.scheduler_config.async_scheduling = True  # vLLM's default on a GPU (the CPU platform turns it off)
         config.cache_config.num_gpu_blocks = usable_blocks + 1
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
