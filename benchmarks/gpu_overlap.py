@@ -33,7 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
-from mps import private_mps
+from mps import run_under_mps
 
 ROW = 32 * 1024  # bytes: 16 tokens x 8 KV heads x 128 dim bf16
 
@@ -129,8 +129,7 @@ def main() -> None:
                     help="every process of the run a client of a private MPS server (benchmarks/mps.py)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     args = ap.parse_args()
-    with private_mps(args.mps):
-        run(args)
+    run_under_mps(args.mps, run, args)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 from daemon_readings import PHASES, hist, hot_passes, phases, timeline_medians
-from mps import private_mps
+from mps import run_under_mps
 from procstats import CpuMeter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -365,8 +365,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.ipc == "only" and not args.layerwise:
         ap.error("--ipc only goes with --layerwise (the whole-request figures compare both paths to NIXL)")
-    with private_mps(args.mps):
-        run(args)
+    run_under_mps(args.mps, run, args)
 
 
 def run(args: argparse.Namespace) -> None:

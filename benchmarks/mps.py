@@ -4,54 +4,58 @@
 Without MPS a GPU runs one process's work at a time, a time slice each, so a copy P's
 daemon launches while P's worker computes waits for its slice (docs/gpu.md, "Limits").
 MPS lets the kernels of its clients share the GPU. The server started here listens on a
-pipe directory of its own: only processes that inherit ``CUDA_MPS_PIPE_DIRECTORY`` (this
-one and its children) become its clients; every other process on the host runs as before.
+pipe directory of its own: only processes that inherit ``CUDA_MPS_PIPE_DIRECTORY`` (the
+run's process and those it starts) become its clients; every other process on the host runs as before.
 It is stopped when the run ends. Nothing of the GPU's settings changes.
-
-Enter it before this process touches CUDA: a context made before it is not a client.
 """
 
 from __future__ import annotations
 
-import contextlib
+import multiprocessing as mp
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable
 
 CONTROL = "nvidia-cuda-mps-control"
 _ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 
 
-@contextlib.contextmanager
-def private_mps(enabled: bool = True) -> Iterator[bool]:
-    """Run the body as a client of a fresh MPS server (when ``enabled``); yields whether one runs."""
+def run_under_mps(enabled: bool, fn: Callable[..., None], *args: object) -> None:
+    """``fn(*args)``; with ``enabled``, in a process of its own that is a client of a fresh
+    MPS server, as are all the processes it starts. This process makes no CUDA context of
+    its own: the server would wait for it before it quits."""
     if not enabled:
-        yield False
+        fn(*args)
         return
     control = shutil.which(CONTROL)
     if control is None:
         raise SystemExit(f"--mps: {CONTROL} is not on PATH (it ships with the NVIDIA driver's utilities)")
     base = tempfile.mkdtemp(prefix="pushsvc-mps-")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(base, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(base, "log")}
-    for path in env.values():
-        os.makedirs(path)
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": os.path.join(base, "pipe"),
+           "CUDA_MPS_LOG_DIRECTORY": os.path.join(base, "log")}
+    for name in _ENV:
+        os.makedirs(env[name])
+    subprocess.run([control, "-d"], env=env, check=True)
     saved = {name: os.environ.get(name) for name in _ENV}
-    subprocess.run([control, "-d"], env={**os.environ, **env}, check=True)
-    os.environ.update(env)
+    os.environ.update({name: env[name] for name in _ENV})  # the child and what it starts inherit them
     try:
-        yield True
+        child = mp.get_context("spawn").Process(target=fn, args=args)
+        child.start()
+        child.join()
+        # A server starts only for a client: none listed means nothing ran under MPS.
+        servers = subprocess.run([control], input=b"get_server_list\n", env=env, capture_output=True,
+                                 timeout=30).stdout.decode().split()
+        print(f"MPS servers that served the run: {' '.join(servers) or 'none (no process became a client)'}",
+              flush=True)
+        if child.exitcode:
+            raise SystemExit(f"the run under MPS exited with {child.exitcode}")
     finally:
-        subprocess.run([control], input=b"quit\n", env={**os.environ, **env}, check=False, timeout=60)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        log = os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], "control.log")
-        if os.path.exists(log):  # the server's own account of its clients, for the run's output
-            with open(log) as f:
-                tail = f.read().splitlines()[-5:]
-            print("MPS control log (last lines):", *tail, sep="\n  ", flush=True)
+        subprocess.run([control], input=b"quit\n", env=env, check=False, timeout=60)
         shutil.rmtree(base, ignore_errors=True)
