@@ -87,7 +87,6 @@ class WorkerConn:
         self._fds: list[int] = []
         self._out = bytearray()
         self._writing = False
-        self._close_soon = False  # a send failed: closing on the next turn
 
     # ------------------------------------------------------------------ reading
 
@@ -182,12 +181,8 @@ class WorkerConn:
 
     # ------------------------------------------------------------------ writing
 
-    @property
-    def closing(self) -> bool:
-        return self.state is ConnState.CLOSED or self._close_soon
-
     def send(self, msg: msgspec.Struct) -> None:
-        if self.closing:
+        if self.state is ConnState.CLOSED:
             return
         self._out += frame(wp.encode(msg))
         if not self._writing:
@@ -205,13 +200,7 @@ class WorkerConn:
         except (BlockingIOError, InterruptedError):
             pass
         except OSError:
-            # Closed on the next turn, not here: a send runs inside the pass that tells the
-            # worker something, and closing detaches the rank, whose tables that pass may
-            # be walking. What is queued meanwhile goes nowhere.
-            self._out.clear()
-            if not self._close_soon:
-                self._close_soon = True
-                self.server.loop.call_soon(self.close, "send error")
+            self.close("send error", detach_soon=True)
             return
         loop = self.server.loop
         if self._out and not self._writing:
@@ -240,7 +229,10 @@ class WorkerConn:
             os.close(fd)
         self._fds.clear()
 
-    def close(self, reason: str = "") -> None:
+    def close(self, reason: str = "", *, detach_soon: bool = False) -> None:
+        """Close now; with ``detach_soon`` (a send failed) the rank is detached on the loop's
+        next turn: a send runs inside the pass that tells the worker something, and
+        detaching changes the rank's tables, which that pass may be walking."""
         if self.state is ConnState.CLOSED:
             return
         was_ready = self.state is ConnState.READY
@@ -253,8 +245,15 @@ class WorkerConn:
         self.sock.close()
         self.server.forget(self)
         if was_ready and self.rank is not None:
-            self.server.service.detach_worker(self.rank)
-            log.info("worker_disconnected", reason=reason, pid=self.pid, rank=self._rank_number)
+            if detach_soon:
+                self.server.loop.call_soon(self._detach, reason)
+            else:
+                self._detach(reason)
+
+    def _detach(self, reason: str) -> None:
+        assert self.rank is not None
+        self.server.service.detach_worker(self.rank)
+        log.info("worker_disconnected", reason=reason, pid=self.pid, rank=self._rank_number)
 
     @property
     def _rank_number(self) -> int | None:
@@ -335,7 +334,7 @@ class WorkerServer:
         self.conns.add(conn)
         self.metrics.worker_connections.set(len(self.conns))
         conn.send_raw(encode_preamble(wp.MAGIC, wp.MAJOR, wp.MINOR))
-        if conn.closing:
+        if conn.state is ConnState.CLOSED:
             return  # the client left before our preamble could go out
         self.loop.add_reader(sock.fileno(), conn.on_readable)
         deadline = self.pending.add(conn, self.loop.time())
