@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 
 from pushsvc.protocol.peer_auth import MAC_LEN, NONCE_LEN
-from pushsvc.protocol.worker import U32, U64, MatchKey, Name, Text
+from pushsvc.protocol.worker import U32, U64, MatchKey, Name, Text, check_stride
 
 MAGIC = b"PSVP"
 MAJOR = 1
@@ -61,6 +61,9 @@ class RegionInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True,
     @property
     def stride(self) -> int:
         return self.block_stride or self.block_len
+
+    def __post_init__(self) -> None:
+        check_stride(self.block_stride, self.block_len, self.num_blocks)
 
 
 class IpcBuffer(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -91,6 +91,16 @@ class Region(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, fro
     def stride(self) -> int:
         return self.block_stride or self.block_len
 
+    def __post_init__(self) -> None:
+        check_stride(self.block_stride, self.block_len, self.num_blocks)
+
+
+def check_stride(block_stride: int, block_len: int, num_blocks: int) -> None:
+    """Blocks closer together than their length overlap: a copy or WRITE into one block
+    would touch its neighbour, which another request may hold. Refused at decoding."""
+    if block_stride and block_stride < block_len and num_blocks > 1:
+        raise ValueError(f"block_stride {block_stride} is below block_len {block_len}: the blocks would overlap")
+
 
 class MemfdBuffers(msgspec.Struct, tag="memfd", **_opts):
     """CPU memory shared as memfds; the fds ride on this frame via SCM_RIGHTS.

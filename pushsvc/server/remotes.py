@@ -60,6 +60,8 @@ def worker_view(info: AgentInfo, bases: list[int]) -> Layout:
         if w.buffer >= len(ipc.buffers):
             raise LayoutError(f"a region names buffer {w.buffer}, only {len(ipc.buffers)} sent")
         stride = w.block_stride or r.block_len
+        if stride < r.block_len and w.num_blocks > 1:
+            raise LayoutError(f"a region's blocks of {r.block_len} bytes lie {stride} bytes apart: they overlap")
         end = w.offset + (w.num_blocks - 1) * stride + r.block_len
         if end > ipc.buffers[w.buffer].size:
             raise LayoutError(f"a region ends at {end}, past buffer {w.buffer} of {ipc.buffers[w.buffer].size} bytes")

@@ -161,6 +161,24 @@ async def test_p_maps_nothing_of_an_offer_whose_region_lies_outside_its_buffer()
 
 
 @pytest.mark.asyncio
+async def test_p_maps_nothing_of_an_offer_whose_blocks_overlap() -> None:
+    """Blocks closer together than their length: P's copy into one would write into its
+    neighbour, which another of D's requests may hold."""
+    async with gpu_pair(ipc=True) as (pair, _devmem):
+        await _warm(pair)
+        rank = pair.p.service.ranks.current[0]
+        d_at_p = pair.p.service.peers.find_engine(pair.d.config.engine_id)
+        info = next(a for a in d_at_p.agents.values() if a.ipc is not None)
+        overlapping = msgspec.structs.replace(info.ipc.regions[0], block_stride=info.regions[0].block_len // 2)
+        bad = msgspec.structs.replace(info, agent_name=info.agent_name + "x", ipc=msgspec.structs.replace(
+            info.ipc, regions=[overlapping, *info.ipc.regions[1:]]))
+        imported = pair.p.devmem.usage()["imported"]
+        assert rank.remotes.ipc.load(bad) is False
+        assert "overlap" in rank.remotes.ipc.refused[bad.agent_name]
+        assert pair.p.devmem.usage()["imported"] == imported
+
+
+@pytest.mark.asyncio
 async def test_a_registration_asking_for_a_copy_p_cannot_make_fails_cleanly() -> None:
     async with gpu_pair(ipc=True) as (pair, _devmem):
         await _warm(pair)

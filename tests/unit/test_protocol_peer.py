@@ -129,6 +129,8 @@ def _region_info(**changes: Any) -> dict[str, Any]:
 def test_valid_raw_peer_maps_decode() -> None:
     peer.peer_decoder.decode(pack(_peer_hello()))
     peer.peer_decoder.decode(pack(_peer_hello(agents=[_agent(regions=[_region_info()])])))
+    # A stride below the block length overlaps only where there is a next block.
+    peer.peer_decoder.decode(pack(_peer_hello(agents=[_agent(regions=[_region_info(block_stride=8, num_blocks=1)])])))
 
 
 @pytest.mark.parametrize(
@@ -153,6 +155,7 @@ def test_valid_raw_peer_maps_decode() -> None:
         pytest.param(_peer_hello(agents=[_agent(regions=[_region_info(base=-1)])]), id="region-base-negative"),
         pytest.param(_peer_hello(agents=[_agent(regions=[_region_info(block_len=0)])]), id="region-block-len-zero"),
         pytest.param(_peer_hello(agents=[_agent(regions=[_region_info(group=64)])]), id="region-group-too-large"),
+        pytest.param(_peer_hello(agents=[_agent(regions=[_region_info(block_stride=8)])]), id="region-blocks-overlap"),
         pytest.param({"t": "push_failed", "request_id": "r", "rank": -1, "reason": "x"}, id="push-failed-rank"),
         pytest.param({"t": "push_failed", "request_id": "r", "rank": 0, "reason": "x" * 4097}, id="reason-too-long"),
         pytest.param({"t": "push_failed", "request_id": "r", "rank": 0}, id="push-failed-missing-reason"),

@@ -127,6 +127,17 @@ def test_region_stride_defaults_to_block_len() -> None:
     assert REGIONS[1].stride == 8192
 
 
+def test_a_region_whose_blocks_overlap_does_not_decode() -> None:
+    """A stride below the block length: a copy into one block would write its neighbour,
+    which another request may hold."""
+    raw = {"t": "register_kv", "memory": {"t": "memfd", "count": 1},
+           "regions": [{"buffer": 0, "offset": 0, "block_len": 4096, "num_blocks": 128, "block_stride": 2048}]}
+    with pytest.raises(msgspec.ValidationError, match="overlap"):
+        worker.worker_decoder.decode(msgspec.msgpack.encode(raw))
+    raw["regions"][0]["block_stride"] = 4096
+    assert worker.worker_decoder.decode(msgspec.msgpack.encode(raw)).regions[0].stride == 4096
+
+
 def test_directions_do_not_decode_each_others_messages() -> None:
     with pytest.raises(msgspec.ValidationError):
         worker.worker_decoder.decode(worker.encode(worker.Pong(token=1)))

@@ -274,7 +274,10 @@ async def test_malformed_payload_after_hello_gets_error_and_connection_lives() -
             for payload in (b"\xc1\xc1 not msgpack",  # not msgpack at all
                             msgspec.msgpack.encode({"t": "ping", "token": -1}),  # out of bounds
                             msgspec.msgpack.encode({"t": "no-such-message"}),  # unknown tag
-                            b"\x81\xa6\x00\x00\x00\x00\x00\x80\x01"):  # map key not UTF-8
+                            b"\x81\xa6\x00\x00\x00\x00\x00\x80\x01",  # map key not UTF-8
+                            msgspec.msgpack.encode({"t": "register_kv", "memory": {"t": "memfd", "count": 1},
+                                                    "regions": [{"buffer": 0, "offset": 0, "block_len": 4096,
+                                                                 "num_blocks": 2, "block_stride": 1024}]})):  # overlap
                 await conn.send(frame(payload))
                 error = await conn.recv_msg()
                 assert isinstance(error, wp.Error) and error.code == "decode", error
@@ -282,7 +285,7 @@ async def test_malformed_payload_after_hello_gets_error_and_connection_lives() -
             assert await conn.recv_msg() == wp.Pong(token=42)
         finally:
             conn.close()
-        assert metric(d, "pushsvc_malformed_inputs_total", source="worker", reason="decode") == 4
+        assert metric(d, "pushsvc_malformed_inputs_total", source="worker", reason="decode") == 5
 
 
 @pytest.mark.asyncio
