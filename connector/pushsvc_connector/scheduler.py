@@ -212,9 +212,8 @@ class PushScheduler:
         meta = PushsvcMetadata(recvs=self._new_recvs, sends=self._new_sends, evictions=self._evictions,
                                dropped_recvs=self._dropped, failed_recvs=self._failed, releases=self._releases,
                                dropped_starts=self._dropped_starts)
-        self._new_recvs, self._new_sends, self._evictions, self._dropped, self._failed, self._releases = (
-            {}, {}, [], [], {}, [])
-        self._dropped_starts = []
+        (self._new_recvs, self._new_sends, self._evictions, self._dropped, self._failed, self._releases,
+         self._dropped_starts) = ({}, {}, [], [], {}, [], [])
         if self._prefills is not None and output is not None:
             for rid, ending in self._prefills.finishing(output).items():
                 groups = self._groups.clip(ending.blocks)

@@ -21,6 +21,7 @@ from pushsvc.engine.base import Agent, DListHandle
 from pushsvc.errors import LayoutError, TransferError
 from pushsvc.protocol.notif import PushReg
 from pushsvc.protocol.peer import AgentInfo
+from pushsvc.protocol.worker import check_stride
 from pushsvc.state import tp
 from pushsvc.state.stages import LayerKey, keys, stage_view
 from pushsvc.state.layout import (
@@ -59,9 +60,11 @@ def worker_view(info: AgentInfo, bases: list[int]) -> Layout:
     for r, w in zip(info.regions, ipc.regions):
         if w.buffer >= len(ipc.buffers):
             raise LayoutError(f"a region names buffer {w.buffer}, only {len(ipc.buffers)} sent")
+        try:
+            check_stride(w.block_stride, r.block_len, w.num_blocks)  # the worker protocol's own rule
+        except ValueError as exc:
+            raise LayoutError(f"a region's {exc}") from None
         stride = w.block_stride or r.block_len
-        if stride < r.block_len and w.num_blocks > 1:
-            raise LayoutError(f"a region's blocks of {r.block_len} bytes lie {stride} bytes apart: they overlap")
         end = w.offset + (w.num_blocks - 1) * stride + r.block_len
         if end > ipc.buffers[w.buffer].size:
             raise LayoutError(f"a region ends at {end}, past buffer {w.buffer} of {ipc.buffers[w.buffer].size} bytes")
