@@ -25,6 +25,9 @@ ID_TOO_LONG = "request_id_too_long"
 DAEMON_GONE = "daemon_gone"
 DAEMON_RESTARTED = "daemon_restarted"
 BACKSTOP = "backstop"
+# How the push of a started layer-wise request that vLLM preempted ended.
+FENCED = "fenced"
+UNCONFIRMED = "unconfirmed"
 
 COUNTERS: tuple[CounterSpec, ...] = (
     CounterSpec("refused_requests", "Requests the pushsvc connector did not transfer because of what the client "
@@ -39,6 +42,10 @@ COUNTERS: tuple[CounterSpec, ...] = (
     CounterSpec("released_requests", "Held transfers released without the daemon's final event: no daemon "
                 "listening, a new daemon incarnation, or the connector's backstop.", "cause",
                 (DAEMON_GONE, DAEMON_RESTARTED, BACKSTOP)),
+    CounterSpec("preempted_pushes", "Layer-wise pushes whose request vLLM preempted after the step that ends its "
+                "prefill was scheduled (its blocks back in vLLM's pool): fenced, the daemon confirmed before the "
+                "next forward pass that it reads none of them; unconfirmed, it did not within the fence timeout.",
+                "outcome", (FENCED, UNCONFIRMED)),
 )
 NAMES = frozenset(spec.name for spec in COUNTERS)
 

@@ -80,6 +80,15 @@ class Prefills:
         (``forget``): vLLM may still preempt them, the daemon may be reading their blocks."""
         return len(self._started)
 
+    def preempted(self, request_id: str) -> bool:
+        """vLLM preempted ``request_id`` (its blocks back in the pool): True if its last step
+        was scheduled. It stays tracked: when it runs again, the step that ends its prefill
+        starts it anew, with the blocks it holds then."""
+        if request_id in self._started:
+            self._started.discard(request_id)
+            return True
+        return False
+
     def forget(self, request_id: str) -> bool:
         """``request_id`` finished (or was dropped): True if its last step was scheduled."""
         self._tracked.pop(request_id, None)

@@ -215,6 +215,13 @@ class PushScheduler:
         (self._new_recvs, self._new_sends, self._evictions, self._dropped, self._failed, self._releases,
          self._dropped_starts) = ({}, {}, [], [], {}, [], [])
         if self._prefills is not None and output is not None:
+            # vLLM names the requests it preempted since the last step in this one's
+            # output; a started one's blocks are back in the pool (``StepPlan``). First,
+            # so that one resumed and ending its prefill in this very step starts anew.
+            for rid in getattr(output, "preempted_req_ids", None) or ():
+                if self._prefills.preempted(rid) or rid in meta.dropped_starts:
+                    meta.preempted_starts.append(rid)
+                    self._send_deadlines.pop(rid, None)
             for rid, ending in self._prefills.finishing(output).items():
                 groups = self._groups.clip(ending.blocks)
                 if any(len(g) for g in groups):

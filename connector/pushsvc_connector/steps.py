@@ -43,10 +43,16 @@ class StepPlan:
     # sending at once, while a D id the worker does not track was reported already (a
     # second report would name a request vLLM freed).
     dropped_starts: list[str] = field(default_factory=list)
+    # P, layer-wise push: started requests vLLM preempted since the last step (a
+    # preemption, or ``reset_prefix_cache`` with running requests, frees their blocks
+    # without ``request_finished``): this step's forward pass may write another request's
+    # KV into them, so the worker waits, before it, until the daemon reads none of them.
+    # A live one runs again and starts anew; vLLM hears nothing of its first push.
+    preempted_starts: list[str] = field(default_factory=list)
     step: int = 0  # this step's number, for ``LayerSaved``/``StepSaved`` (layer-wise only)
 
     @property
     def empty(self) -> bool:
         return not (self.recvs or self.sends or self.evictions or self.dropped_recvs or self.failed_recvs
                     or self.expired_recvs or self.expired_sends or self.releases or self.layerwise
-                    or self.dropped_starts)
+                    or self.dropped_starts or self.preempted_starts)

@@ -47,7 +47,7 @@ import msgspec
 from pushsvc.client import DaemonClient
 from pushsvc.errors import DaemonNotListening, DaemonRefused, DaemonUnavailable, PushsvcError
 from pushsvc.protocol import worker as wp
-from pushsvc_connector.counters import BACKSTOP, DAEMON_GONE, DAEMON_RESTARTED, Counts
+from pushsvc_connector.counters import BACKSTOP, DAEMON_GONE, DAEMON_RESTARTED, FENCED, UNCONFIRMED, Counts
 from pushsvc_connector.cudashare import LayerEvents
 from pushsvc_connector.kvshare import KVShare
 from pushsvc_connector.steps import StepPlan
@@ -62,6 +62,9 @@ RECONNECT_INTERVAL_S = 0.25
 # "Same-host push"), and it launches a copy only while it heard from our daemon within
 # its fence (``ipcpush.IPC_FENCE_S``, 2.5 s): past that plus the copy, nothing lands.
 IPC_RELEASE_GRACE_S = 5.0
+# P, layer-wise: how long the worker waits, before a forward pass, for its daemon to
+# confirm it reads no block of a started request vLLM preempted (``_fence``).
+FENCE_TIMEOUT_S = 10.0
 # While the daemon is away, every attempt fails; one warning per this many is enough.
 _WARN_EVERY = 40
 
@@ -79,6 +82,8 @@ class _Transfer:
     layerwise: bool = False
     ended: bool = False
     final: bool = False
+    # ... and vLLM preempted it: its first push ends unreported (the request runs again).
+    preempted: bool = False
     # D with CUDA KV, its daemon gone: released at this time (monotonic), for this cause and why.
     release_at: float = 0.0
     release_why: tuple[str, str] = ("", "")
@@ -170,7 +175,8 @@ class PushWorker:
                  len(share.regions), share.kind,
                  f"; {held} requests of the previous connection await their final events" if held else "")
         # Evictions that may not have reached the daemon before the connection dropped.
-        evicted = [rid for rid, t in self._recving.items() if t.held and t.evicted]
+        evicted = [*(rid for rid, t in self._recving.items() if t.held and t.evicted),
+                   *(rid for rid, t in self._sending.items() if t.held and t.preempted)]
         if evicted:
             self._send(wp.Evict(request_ids=evicted))
         return True
@@ -238,8 +244,10 @@ class PushWorker:
 
     def begin_step(self, meta: StepPlan) -> None:
         """Before the step's forward pass, ahead of ``start_step``: the requests whose
-        prefill ends in it (``SendStart``)."""
+        prefill ends in it (``SendStart``), after the started ones vLLM preempted are fenced."""
         self._open_step = None
+        if meta.preempted_starts:
+            self._fence(meta.preempted_starts)
         for rid, start in meta.layerwise.items():
             # An older daemon, or none: the request is pushed whole once it finished.
             if self._available() and self.client.supports(wp.LAYERWISE_MINOR) and self._send(start):
@@ -269,7 +277,27 @@ class PushWorker:
     def get_finished(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """Completed transfers. With ``wait_s`` > 0 (an idle engine step) and transfers
         pending but nothing to report yet, first wait up to ``wait_s`` for an event."""
-        if wait_s > 0 and (self._recving or self._sending) and not (self._done_sending or self._done_recving):
+        waiting = (self._recving or self._sending) and not (self._done_sending or self._done_recving)
+        self._pump(wait_s if waiting else 0.0)
+        sending, recving = self._done_sending, self._done_recving
+        self._done_sending, self._done_recving = set(), set()
+        if (sending or recving) and self._registered and self.client.supports(wp.REPORTED_MINOR):
+            # The moment vLLM learns of them, for the daemon's request timelines.
+            self._send(wp.Reported(sending=list(sending), recving=list(recving), at=time.monotonic()))
+        return sending, recving
+
+    def take_stats(self) -> Counts | None:
+        return self.stats.take()
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------------ internals
+
+    def _pump(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` (0: not at all) for the daemon, then take in its events."""
+        if wait_s > 0:
             # ``connected`` too: the client closes its socket as soon as it reads the
             # daemon's EOF and reports the loss on the next poll, below.
             if self._registered and self.client.connected:
@@ -289,21 +317,40 @@ class PushWorker:
                 self._daemon_lost(exc)
             for event in events:
                 self._on_event(event)
-        sending, recving = self._done_sending, self._done_recving
-        self._done_sending, self._done_recving = set(), set()
-        if (sending or recving) and self._registered and self.client.supports(wp.REPORTED_MINOR):
-            # The moment vLLM learns of them, for the daemon's request timelines.
-            self._send(wp.Reported(sending=list(sending), recving=list(recving), at=time.monotonic()))
-        return sending, recving
 
-    def take_stats(self) -> Counts | None:
-        return self.stats.take()
-
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    # ------------------------------------------------------------------ internals
+    def _fence(self, rids: list[str]) -> None:
+        """P, layer-wise: vLLM preempted ``rids`` after the step that ends their prefill was
+        scheduled, and their blocks are back in its pool: the forward pass about to run may
+        write another request's KV into them while the daemon still reads them for D.
+        Evict each and wait for its final event (the daemon sends it once nothing of the
+        request is read any more), or for the daemon to be known gone, up to
+        ``FENCE_TIMEOUT_S``. vLLM hears nothing of these pushes: a request it runs again
+        starts anew (an aborted one is reported by ``dropped_starts``, once fenced)."""
+        tracked = [rid for rid in rids if rid in self._sending]  # else its SendStart reached no daemon
+        waiting = []
+        for rid in tracked:
+            transfer = self._sending[rid]
+            transfer.preempted = True
+            if transfer.final:
+                del self._sending[rid]
+            else:
+                waiting.append(rid)
+        # A held one is evicted once the daemon is back (``_connect``), or released if it is gone.
+        evict = [rid for rid in waiting if not self._sending[rid].held]
+        if evict:
+            self._send(wp.Evict(request_ids=evict))
+        deadline = time.monotonic() + FENCE_TIMEOUT_S
+        while (left := [rid for rid in waiting if rid in self._sending]) and time.monotonic() < deadline:
+            self._pump(min(0.05, max(0.0, deadline - time.monotonic())))
+        if len(tracked) > len(left):
+            self.stats.record("preempted_pushes", FENCED, len(tracked) - len(left))
+        if left:
+            self.stats.record("preempted_pushes", UNCONFIRMED, len(left))
+            log.error("pushsvc: vLLM preempted %d requests while their layer-wise pushes ran, and the daemon did "
+                      "not confirm within %.0f s that it reads none of their blocks, which vLLM may now give to "
+                      "other requests: %s", len(left), FENCE_TIMEOUT_S, ", ".join(left))
+            for rid in left:
+                del self._sending[rid]
 
     def _on_event(self, event: wp.DaemonMessage) -> None:
         if isinstance(event, wp.RecvDone):
@@ -397,6 +444,9 @@ class PushWorker:
     def _finish_send(self, rid: str) -> None:
         transfer = self._sending.get(rid)
         if transfer is None:
+            return
+        if transfer.preempted:  # fenced: vLLM runs the request again, and hears nothing of this push
+            del self._sending[rid]
             return
         if transfer.layerwise and not transfer.ended:
             transfer.final = True  # vLLM still runs it: told once the scheduler says it ended

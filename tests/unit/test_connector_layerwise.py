@@ -5,10 +5,12 @@ tells vLLM of a request only once both the daemon and the scheduler said it ende
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -50,14 +52,14 @@ def _new(rid: str, blocks: list[int], computed: int = 0) -> NewRequestData:
 
 
 def _step(scheduled: dict[str, int], new: list[NewRequestData] = (), cached: list[tuple] = (),
-          resumed: set[str] = frozenset()) -> SchedulerOutput:
+          resumed: set[str] = frozenset(), preempted: set[str] = frozenset()) -> SchedulerOutput:
     """vLLM's output for one step; ``cached``: (request id, new blocks or None, computed tokens)."""
     data = dataclasses.replace(CachedRequestData.make_empty(), req_ids=[c[0] for c in cached],
                                resumed_req_ids=set(resumed),
                                new_block_ids=[(c[1],) if c[1] is not None else None for c in cached],
                                num_computed_tokens=[c[2] for c in cached], num_output_tokens=[0] * len(cached))
     return dataclasses.replace(SchedulerOutput.make_empty(), scheduled_new_reqs=list(new), scheduled_cached_reqs=data,
-                               num_scheduled_tokens=dict(scheduled),
+                               num_scheduled_tokens=dict(scheduled), preempted_req_ids=set(preempted),
                                total_num_scheduled_tokens=sum(scheduled.values()))
 
 
@@ -148,6 +150,47 @@ def test_vllm_waits_instead_of_preempting_only_while_a_started_request_runs() ->
     sched.request_finished(aborted, [3, 4])
     assert not sched.has_pending_block_frees(), "both ended: vLLM holds their blocks, whatever their pushes do"
     assert sched.has_pending_push_work()
+
+
+def test_a_started_request_vllm_preempted_is_fenced_and_starts_anew_with_the_blocks_it_holds_then() -> None:
+    """Preempted after its start (vLLM's own preemption, or ``reset_prefix_cache`` with
+    running requests): its blocks are back in vLLM's pool without ``request_finished``."""
+    now = [0.0]
+    sched = _scheduler(clock=lambda: now[0])
+    again, waits = Req("again", _p_params(), num_prompt_tokens=20), Req("waits", _p_params(), num_prompt_tokens=20)
+    for req in (again, waits):
+        sched.update_state_after_alloc(req, None, 0)
+    first = sched.build_connector_meta(40, _step({"again": 20, "waits": 20}, new=[_new("again", [1, 2]),
+                                                                                _new("waits", [3, 4])]))
+    assert set(first.layerwise) == {"again", "waits"}
+    # Both preempted; "again" runs again at once, its whole prefill in this step.
+    meta = sched.build_connector_meta(20, _step({"again": 20}, cached=[("again", [5, 6], 0)], resumed={"again"},
+                                                preempted={"again", "waits", "never-started"}))
+    assert sorted(meta.preempted_starts) == ["again", "waits"]
+    assert meta.layerwise["again"].block_ids == [[5, 6]], "started anew, with the blocks it holds now"
+    assert sched.has_pending_block_frees(), "'again' runs with its new push started"
+    # "waits" was not rescheduled: not started any more, and no backstop reports it to the worker.
+    now[0] += sched.lease_s + 1
+    later = sched.build_connector_meta(0, _step({}))
+    assert later.preempted_starts == [] and later.expired_sends == ["again"]
+    again.status = Status.FINISHED_LENGTH_CAPPED
+    assert sched.request_finished(again, [5, 6])[0]
+    assert not sched.has_pending_block_frees()
+    # "waits" comes back later: a later start of its own.
+    meta = sched.build_connector_meta(20, _step({"waits": 20}, cached=[("waits", [7, 8], 0)], resumed={"waits"}))
+    assert meta.layerwise["waits"].block_ids == [[7, 8]] and meta.preempted_starts == []
+
+
+def test_a_started_request_aborted_after_its_preemption_is_fenced_then_reported() -> None:
+    sched = _scheduler()
+    req = Req("p", _p_params(), num_prompt_tokens=20)
+    sched.update_state_after_alloc(req, None, 0)
+    sched.build_connector_meta(20, _step({"p": 20}, new=[_new("p", [1, 2])]))
+    # Preempted (blocks freed), then aborted while it waits, before the next schedule.
+    req.status = Status.FINISHED_ABORTED
+    assert sched.request_finished(req, []) == (True, None), "vLLM waits for the workers' report"
+    meta = sched.build_connector_meta(0, _step({}, preempted={"p"}))
+    assert meta.preempted_starts == ["p"] and meta.dropped_starts == ["p"]
 
 
 def test_a_request_that_decodes_on_or_waits_for_input_is_not_started() -> None:
@@ -283,6 +326,69 @@ async def test_a_start_the_daemon_never_got_is_pushed_whole_at_the_verdict(base)
         buf.close()
         await daemon.shutdown()
 
+
+
+@contextlib.asynccontextmanager
+async def _layerwise_p(base: str, **config):
+    """P's daemon on this event loop, and a layer-wise worker registered with it."""
+    daemon = Daemon(daemon_config(f"{base}/rt", P_ENGINE, **config), engine=FakeEngine())
+    await daemon.startup()
+    buf = SharedBuffer.create(4 * 8 * 64)
+    worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="producer",
+                        connect_timeout_s=5.0, layerwise=True)
+    try:
+        await asyncio.to_thread(worker.register, KVShare(_regions(8), buffers=[buf]))
+        yield daemon, worker
+    finally:
+        worker.close()
+        buf.close()
+        await daemon.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_preempted_start_is_fenced_before_the_next_forward_pass_and_vllm_hears_nothing(base) -> None:
+    """vLLM preempted p1 after the step that ends its prefill (its blocks back in the pool),
+    and runs it again in the next step: before that step's forward pass the worker waits
+    for the daemon to let go of the first push, then starts the second."""
+    async with _layerwise_p(base, lease_s=0.3) as (daemon, worker):
+        worker.begin_step(PushsvcMetadata(layerwise={"p1": wp.SendStart(request_id="p1", block_ids=[[1, 2]], step=1,
+                                                                        match_key="k1")}, step=1))
+        worker.layer_saved("model.layers.0.self_attn")
+        worker.step_saved()
+        await wait_until(lambda: metric(daemon, "pushsvc_worker_messages_total", type="StepSaved") == 1, "StepSaved")
+        again = wp.SendStart(request_id="p1", block_ids=[[5, 6]], step=2, match_key="k1")
+        # In a thread: the worker blocks until the daemon, on this event loop, answers.
+        await asyncio.to_thread(worker.begin_step, PushsvcMetadata(preempted_starts=["p1"], layerwise={"p1": again},
+                                                                   step=2))
+        assert worker.stats.count("preempted_pushes", "fenced") == 1, "returned only once the daemon confirmed"
+        assert metric(daemon, "pushsvc_worker_messages_total", type="Evict") == 1
+        await wait_until(lambda: metric(daemon, "pushsvc_worker_messages_total", type="SendStart") == 2, "SendStart")
+        assert worker.get_finished() == (set(), set()), "vLLM runs p1 again: nothing to report"
+        # The second push ends at P's lease (no D), and is reported at the scheduler's verdict, once.
+        await wait_until(lambda: metric(daemon, "pushsvc_leases_expired_total") == 1, "the lease")
+        worker.start_step(PushsvcMetadata(sends={"p1": wp.SendReady(request_id="p1", block_ids=[[5, 6]])}))
+        assert await _reported(worker) == {"p1"}
+        assert worker.get_finished() == (set(), set())
+
+
+@pytest.mark.asyncio
+async def test_a_fence_the_daemon_does_not_answer_ends_at_its_timeout_loudly(base, monkeypatch, caplog) -> None:
+    monkeypatch.setattr("pushsvc_connector.worker.FENCE_TIMEOUT_S", 0.3)
+    async with _layerwise_p(base) as (daemon, worker):
+        worker.begin_step(PushsvcMetadata(layerwise={"p1": wp.SendStart(request_id="p1", block_ids=[[1, 2]], step=1)},
+                                          step=1))
+        # On the daemon's own event loop: it cannot answer while the worker waits.
+        began = time.monotonic()
+        worker.begin_step(PushsvcMetadata(preempted_starts=["p1", "never-sent"], step=2))
+        assert 0.3 <= time.monotonic() - began < 2.0
+        assert worker.stats.count("preempted_pushes", "unconfirmed") == 1
+        assert worker.stats.count("preempted_pushes", "fenced") == 0
+        assert "did not confirm" in caplog.text and "p1" in caplog.text
+        # The daemon's late answer names a request the worker no longer tracks: nothing reaches vLLM.
+        await wait_until(lambda: metric(daemon, "pushsvc_worker_messages_total", type="Evict") == 1, "Evict")
+        for _ in range(20):
+            assert worker.get_finished() == (set(), set())
+            await asyncio.sleep(0.01)
 
 
 @pytest.fixture

@@ -151,3 +151,28 @@ def test_a_p_request_that_goes_on_decoding_is_pushed_whole_once_finished(model_d
     assert not any(step.kv_connector_metadata.layerwise for step in seen), "its blocks outlive its prefill step"
     verdict = engine.schedule().kv_connector_metadata.sends["direct"]
     assert verdict.block_ids == [engine.blocks_of("direct")] and verdict.match_key == "xfer-1"
+
+
+def test_a_started_push_whose_request_a_cache_reset_preempts_is_fenced_and_started_anew(model_dir) -> None:
+    """``reset_prefix_cache(reset_running_requests=True)`` (vLLM's pause with a cache
+    reset, say, for a weight update) preempts every running request, a started one too:
+    its blocks go back to the pool with no hook of the connector's. The next step's
+    metadata names it, so the worker fences its push before that step's forward pass."""
+    engine = Engine(model_dir, usable_blocks=20)
+    pushed = engine.add("p1", 20, max_tokens=1, params=P_PARAMS)
+    first = engine.schedule()
+    start = first.kv_connector_metadata.layerwise["p1"]
+    assert engine.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert pushed.status == RequestStatus.PREEMPTED
+    engine.process(first)
+    assert pushed.status != RequestStatus.FINISHED_LENGTH_CAPPED, "its first run's output is dropped"
+    second = engine.schedule()
+    meta = second.kv_connector_metadata
+    assert meta.preempted_starts == ["p1"], "fenced before the forward pass that may reuse its blocks"
+    assert meta.dropped_starts == [] and "p1" not in meta.sends
+    restart = meta.layerwise["p1"]
+    assert restart.match_key == start.match_key and restart.block_ids == [engine.blocks_of("p1")]
+    engine.process(second)
+    assert pushed.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    verdict = engine.schedule().kv_connector_metadata
+    assert verdict.sends["p1"].block_ids == restart.block_ids and verdict.preempted_starts == []
