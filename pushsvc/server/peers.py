@@ -7,8 +7,9 @@ Sessions stay open: heartbeats prove liveness both ways, and P uses the session 
 opened to tell D at once when it cannot WRITE a registration. Handshake details are in
 ``handshake.py``, one connection's I/O in ``session.py``.
 
-What a stranger can make it hold is bounded: concurrent handshakes and sessions, agents
-per peer, remembered departed agents and lost incarnations. Without authentication a
+What a stranger can make it hold is bounded: concurrent handshakes and sessions, and (in
+``peer_agents.py``, which says who speaks for which agent) agents per peer, remembered
+departed agents and lost incarnations. Without authentication a
 hello proves nothing, so an unauthenticated newcomer cannot displace a live peer of the
 same engine id, and never makes a lost one count as dead.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -32,6 +32,7 @@ from pushsvc.peer_hosts import PeerHostPolicy
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol.framing import CountingDecoder
 from pushsvc.server.handshake import PeerIntro, handshake
+from pushsvc.server.peer_agents import AgentBook
 from pushsvc.server.remotes import layout_of_agent
 from pushsvc.server.session import Session
 from pushsvc.server.tasks import TaskSet
@@ -39,17 +40,11 @@ from pushsvc.state.layout import Layout
 
 log = structlog.get_logger("pushsvc.peers")
 
-# Agent names of departed peers remembered to refuse their late notifications; agent
-# names are never reused (they carry the daemon id and a generation), so this only
-# bounds memory. Lost incarnations are remembered until they return or a new one does.
-_DEPARTED_KEPT = 4096
-_LOST_KEPT = 1024
 # Handshakes in progress at once, each way, and sessions held: far above what a
 # deployment needs (one or two sessions per peer daemon), low enough that a connect
 # flood costs a bounded amount of memory.
 MAX_HANDSHAKES = 64
 MAX_SESSIONS = 1024
-MAX_AGENTS_PER_PEER = 1024
 
 
 @dataclass(eq=False)
@@ -171,10 +166,7 @@ class PeerManager:
         self._allowed_host = allowed_host
         self.peers: dict[str, Peer] = {}  # by daemon_id
         self._by_engine: dict[str, Peer] = {}
-        self._by_agent: dict[str, Peer] = {}
-        self._departed: OrderedDict[str, None] = OrderedDict()  # agent names, oldest first
-        self._lost: OrderedDict[str, Peer] = OrderedDict()  # engine id -> incarnation lost, not known dead
-        self._lost_agents: dict[str, Peer] = {}  # the agents of those, until they return
+        self.agents = AgentBook()
         self._dialing: dict[tuple[str, int], asyncio.Future[Peer]] = {}
         self._accepting: set[Session] = set()  # accepted, handshake in progress
         self._sessions = 0
@@ -259,7 +251,7 @@ class PeerManager:
         return peer if peer is not None and peer.alive else None
 
     def find_agent(self, agent_name: str) -> Peer | None:
-        return self._by_agent.get(agent_name)
+        return self.agents.owner(agent_name)
 
     def live_daemons(self) -> set[str]:
         return {d for d, p in self.peers.items() if p.alive}
@@ -393,7 +385,7 @@ class PeerManager:
         # Refused before anything changes: a refused hello leaves no peer, no session and
         # no agent behind (a ghost would hold the engine id and the session count for good).
         replaced = old if old is not None and old.daemon_id != hello.daemon_id else None
-        refusal = self._agents_refusal(self.peers.get(hello.daemon_id), hello.agents, replaced)
+        refusal = self.agents.refusal(self.peers.get(hello.daemon_id), hello.agents, replaced)
         if refusal:
             raise ProtocolError(refusal)
         if replaced is not None:
@@ -401,14 +393,11 @@ class PeerManager:
             log.info("peer_restarted", peer=hello.engine_id, old=old.daemon_id[:8], new=hello.daemon_id[:8])
             old.gone = intro.authenticated
             self._forget(old)
-        lost = self._lost.pop(hello.engine_id, None)
-        if lost is not None:
-            for name in lost.agents:
-                self._lost_agents.pop(name, None)
+        lost = self.agents.returned(hello.engine_id)
         if lost is not None and lost.daemon_id != hello.daemon_id:
             # A new incarnation: a late notification from the old one's agents is refused.
             for name in lost.agents:
-                self._remember_departed(name)
+                self.agents.retire(name)
             if intro.authenticated:
                 # ... and the old one is dead, not just silent: nothing it sent is still
                 # on the way. Only an authenticated hello can say so.
@@ -440,40 +429,10 @@ class PeerManager:
                  session=session.id, minor=intro.minor, authenticated=intro.authenticated, announced_late=len(late))
         return peer
 
-    def _agents_refusal(self, peer: Peer | None, agents: list[pp.AgentInfo], replaced: Peer | None = None) -> str:
-        """Why ``agents`` may not join ``peer``'s (None: a peer not known yet; ``replaced``:
-        an incarnation the hello replaces), or ''. Run before anything changes, so that a
-        refused hello or update leaves nothing of itself behind."""
-        held = dict(peer.agents) if peer is not None else {}
-        for a in agents:
-            if held.get(a.agent_name) == a:
-                continue
-            for name in [n for n, old in held.items() if _same_place(old, a) and n != a.agent_name]:
-                del held[name]
-            if a.agent_name not in held and len(held) >= MAX_AGENTS_PER_PEER:
-                return f"peer announces more than {MAX_AGENTS_PER_PEER} agents"
-            owner = self._by_agent.get(a.agent_name)
-            if owner is not None and owner is not peer and owner is not replaced:
-                return f"agent {a.agent_name} belongs to another peer"
-            held[a.agent_name] = a
-        return ""
-
     def _add_agents(self, peer: Peer, agents: list[pp.AgentInfo]) -> None:
-        refusal = self._agents_refusal(peer, agents)
-        if refusal:
-            raise ProtocolError(refusal)
-        new = [a for a in agents if peer.agents.get(a.agent_name) != a]
-        for a in new:
-            # A new agent for a rank replaces the old one (its worker restarted): no
-            # registration or WRITE may go to the old agent's memory any more.
-            for name in [n for n, old in peer.agents.items()
-                         if _same_place(old, a) and n != a.agent_name]:
-                del peer.agents[name]
-                if self._by_agent.get(name) is peer:
-                    del self._by_agent[name]
-                self._remember_departed(name)
-            peer.agents[a.agent_name] = a
-            self._by_agent[a.agent_name] = peer
+        # A new agent for a rank replaces the old one (its worker restarted): no
+        # registration or WRITE may go to the old agent's memory any more.
+        new = self.agents.add(peer, agents)
         if new:
             self._events.agents_announced(peer, new)
             self._wake(peer)
@@ -542,21 +501,7 @@ class PeerManager:
         self.peers.pop(peer.daemon_id, None)
         if self._by_engine.get(peer.engine_id) is peer:
             del self._by_engine[peer.engine_id]
-        for name in peer.agents:
-            if self._by_agent.get(name) is peer:
-                del self._by_agent[name]
-            if peer.gone:  # a peer that only went silent may come back with these agents
-                self._remember_departed(name)
-        if not peer.gone and not self._closing:
-            self._lost[peer.engine_id] = peer  # until it returns or a new incarnation does
-            self._lost.move_to_end(peer.engine_id)
-            for name in peer.agents:
-                self._lost_agents[name] = peer
-            while len(self._lost) > _LOST_KEPT:
-                _, oldest = self._lost.popitem(last=False)
-                for name in oldest.agents:  # forgotten as lost, still refused as late
-                    self._lost_agents.pop(name, None)
-                    self._remember_departed(name)
+        self.agents.forget(peer, lose=not self._closing)
         self._sessions -= len(peer.sessions)
         for s in list(peer.sessions):
             s.close()
@@ -567,17 +512,7 @@ class PeerManager:
         self._events.peer_down(peer)
 
     def departed(self, agent_name: str) -> bool:
-        """``agent_name`` belonged to a peer incarnation or worker that is gone, or to a
-        peer we lost (until it returns): a notification from it is late, never a new
-        request. Its sender dropped what it had sent us when the session ended, and
-        may already have handed the blocks back."""
-        return agent_name in self._departed or agent_name in self._lost_agents
-
-    def _remember_departed(self, agent_name: str) -> None:
-        self._departed[agent_name] = None
-        self._departed.move_to_end(agent_name)
-        while len(self._departed) > _DEPARTED_KEPT:
-            self._departed.popitem(last=False)
+        return self.agents.departed(agent_name)
 
     # ------------------------------------------------------------------ sending
 
@@ -597,10 +532,3 @@ class PeerManager:
     def __repr__(self) -> str:
         return (f"<PeerManager {self.engine_id} port={self._port} peers={len(self.peers)} "
                 f"sessions={self._sessions} dialing={len(self._dialing)}>")
-
-
-def _same_place(old: pp.AgentInfo, new: pp.AgentInfo) -> bool:
-    """``new`` takes ``old``'s place: the same rank of the same TP and pipeline stage (a
-    worker restarted, or a joint agent was rebuilt over new members)."""
-    return (old.rank == new.rank and old.tp_size == new.tp_size and old.members == new.members
-            and old.stage == new.stage)

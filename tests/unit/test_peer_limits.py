@@ -16,6 +16,7 @@ from pushsvc.metrics import Metrics
 from pushsvc.protocol import peer as pp
 from pushsvc.protocol import worker as wp
 from pushsvc.protocol.framing import HEADER, PREAMBLE, CountingDecoder, encode_preamble, frame
+from pushsvc.server import peer_agents
 from pushsvc.server import peers as peers_module
 from pushsvc.server.handshake import PRE_AUTH_MAX_FRAME
 from pushsvc.server.peers import Peer
@@ -96,7 +97,7 @@ async def test_sessions_are_capped_and_a_closed_one_makes_room(monkeypatch: pyte
 
 @pytest.mark.asyncio
 async def test_a_peer_cannot_announce_more_agents_than_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(peers_module, "MAX_AGENTS_PER_PEER", 2)
+    monkeypatch.setattr(peer_agents, "MAX_AGENTS_PER_PEER", 2)
     p, pm, _ = manager("prefill", None)
     async with started(p):
         raw = await Raw.connect(p.port)
@@ -177,14 +178,14 @@ async def test_a_hello_with_an_oversized_agent_leaves_the_daemon_serving() -> No
 
 def test_lost_peers_are_remembered_up_to_a_bound() -> None:
     mgr, _, _ = manager("prefill", None)
-    for i in range(peers_module._LOST_KEPT + 50):
+    for i in range(peer_agents._LOST_KEPT + 50):
         peer = Peer(f"daemon-{i}", f"engine-{i}", "127.0.0.1", 1, agents={f"a{i}": AGENT})
         mgr.peers[peer.daemon_id] = peer
         mgr._forget(peer)
-    assert len(mgr._lost) == peers_module._LOST_KEPT
-    assert len(mgr._lost_agents) == peers_module._LOST_KEPT
+    assert mgr.agents.lost == peer_agents._LOST_KEPT
+    assert len(mgr.agents._lost_agents) == peer_agents._LOST_KEPT
     # The forgotten ones are still refused as late, within the departed bound.
-    assert mgr.departed("a0") and mgr.departed(f"a{peers_module._LOST_KEPT + 49}")
+    assert mgr.departed("a0") and mgr.departed(f"a{peer_agents._LOST_KEPT + 49}")
 
 
 @pytest.mark.asyncio
