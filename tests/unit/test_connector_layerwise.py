@@ -251,15 +251,26 @@ async def _reported(worker: PushWorker, timeout: float = 5.0) -> set[str]:
     return got
 
 
-@pytest.mark.asyncio
-async def test_the_worker_tells_its_layers_and_reports_only_after_the_schedulers_verdict(base) -> None:
-    daemon = Daemon(daemon_config(f"{base}/rt", P_ENGINE, lease_s=0.3), engine=FakeEngine())
+@contextlib.asynccontextmanager
+async def _layerwise_p(base: str, **config):
+    """P's daemon on this event loop, and a layer-wise worker registered with it."""
+    daemon = Daemon(daemon_config(f"{base}/rt", P_ENGINE, **config), engine=FakeEngine())
     await daemon.startup()
     buf = SharedBuffer.create(4 * 8 * 64)
     worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="producer",
-                        connect_timeout_s=5.0)
+                        connect_timeout_s=5.0, layerwise=True)
     try:
         await asyncio.to_thread(worker.register, KVShare(_regions(8), buffers=[buf]))
+        yield daemon, worker
+    finally:
+        worker.close()
+        buf.close()
+        await daemon.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_the_worker_tells_its_layers_and_reports_only_after_the_schedulers_verdict(base) -> None:
+    async with _layerwise_p(base, lease_s=0.3) as (daemon, worker):
         start = wp.SendStart(request_id="p1", block_ids=[[1, 2]], step=9, match_key="k1")
         meta = PushsvcMetadata(layerwise={"p1": start}, step=9)
         # vLLM's order: the metadata bound before the forward pass, start_load_kv after it.
@@ -288,10 +299,6 @@ async def test_the_worker_tells_its_layers_and_reports_only_after_the_schedulers
         worker.start_step(PushsvcMetadata(dropped_starts=["p2"]))
         assert await _reported(worker) == {"p2"}
         assert metric(daemon, "pushsvc_worker_messages_total", type="Evict") == 1
-    finally:
-        worker.close()
-        buf.close()
-        await daemon.shutdown()
 
 
 @pytest.mark.asyncio
@@ -321,24 +328,6 @@ async def test_a_start_the_daemon_never_got_is_pushed_whole_at_the_verdict(base)
         await wait_until(lambda: metric(daemon, "pushsvc_worker_messages_total", type="SendReady") == 1, "SendReady")
         assert metric(daemon, "pushsvc_worker_messages_total", type="SendStart") == 0
         assert metric(daemon, "pushsvc_worker_messages_total", type="StepSaved") == 0
-    finally:
-        worker.close()
-        buf.close()
-        await daemon.shutdown()
-
-
-
-@contextlib.asynccontextmanager
-async def _layerwise_p(base: str, **config):
-    """P's daemon on this event loop, and a layer-wise worker registered with it."""
-    daemon = Daemon(daemon_config(f"{base}/rt", P_ENGINE, **config), engine=FakeEngine())
-    await daemon.startup()
-    buf = SharedBuffer.create(4 * 8 * 64)
-    worker = PushWorker(socket_path=daemon.config.socket_path, rank=0, tp_size=1, role="producer",
-                        connect_timeout_s=5.0, layerwise=True)
-    try:
-        await asyncio.to_thread(worker.register, KVShare(_regions(8), buffers=[buf]))
-        yield daemon, worker
     finally:
         worker.close()
         buf.close()
